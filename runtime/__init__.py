@@ -1,0 +1,51 @@
+"""The execution contract: static buffers, captured graphs, streams, and capsules.
+
+Mechanism only: this package knows buffers, graphs, streams, copies and capsules, never
+models, environments, sessions or rewards.
+"""
+
+from runtime.buffers import ALIGN, BufferSet, BufferSpec, scratch, shared, slot
+from runtime.capsule import (
+    Capsule,
+    CapsuleError,
+    CapsuleFileError,
+    DeploymentMismatchError,
+    LayoutMismatchError,
+    fork,
+    restore,
+    rollback,
+    snapshot,
+)
+from runtime.graphs import Graph, MissingVariantError, ReallocatedBufferError
+from runtime.registry import CapsuleRegistry, RegistryStats
+from runtime.slots import copy_rows, masked_restore
+from runtime.streams import Event, Stream
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ALIGN",
+    "BufferSet",
+    "BufferSpec",
+    "Capsule",
+    "CapsuleError",
+    "CapsuleFileError",
+    "CapsuleRegistry",
+    "DeploymentMismatchError",
+    "Event",
+    "Graph",
+    "LayoutMismatchError",
+    "MissingVariantError",
+    "ReallocatedBufferError",
+    "RegistryStats",
+    "Stream",
+    "copy_rows",
+    "fork",
+    "masked_restore",
+    "restore",
+    "rollback",
+    "scratch",
+    "shared",
+    "slot",
+    "snapshot",
+]

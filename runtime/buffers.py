@@ -1,0 +1,264 @@
+"""Named static buffers in contiguous arenas: the only state primitive of the runtime.
+
+A :class:`BufferSet` is allocated once, before any graph is captured, and never reallocated.
+Every buffer is a typed view into one of three byte arenas on the set's device:
+
+``slot``    per-slot live state, shape ``(num_slots, *shape)``. The slot arena is *slot-major*:
+            ``slot_arena[s]`` is one contiguous byte row holding every slot buffer of slot
+            ``s``. Snapshotting, restoring or forking any set of slots is therefore one row
+            copy over the whole state, whatever the buffers' dtypes (one capturable op; see
+            :func:`runtime.slots.masked_restore`). The price: a slot buffer is strided along
+            the slot dimension (stride = the row, not the buffer), so ``.view`` across the
+            slot dimension is not available; use ``.reshape`` or index per slot.
+``shared``  live state without a slot dimension (e.g. a global tick counter).
+``scratch`` intermediates that are rewritten before being read inside every step; not part of
+            any capsule.
+
+Offsets are aligned to :data:`ALIGN` bytes, so any dtype view is legal and vectorised copies
+stay aligned.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import uuid
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from runtime.streams import Event, Stream
+
+ALIGN = 64
+"""Byte alignment of every buffer offset and of the slot row length."""
+
+Kind = Literal["slot", "shared", "scratch"]
+KINDS: tuple[Kind, ...] = ("slot", "shared", "scratch")
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.float32`` -> ``"float32"`` (the name used in descriptors and files)."""
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    """Inverse of :func:`dtype_name`; raises ``ValueError`` for an unknown name."""
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype name {name!r}")
+    return dtype
+
+
+@dataclass(frozen=True)
+class BufferSpec:
+    """Declaration of one buffer.
+
+    Args:
+        name: unique name within the set (dots allowed, e.g. ``"sim.pos"``).
+        shape: shape of one slot's part for ``slot`` buffers, the full shape otherwise.
+        dtype: element type.
+        kind: ``"slot"`` (per-slot live state), ``"shared"`` (live state, no slot dim) or
+            ``"scratch"`` (intermediates, not part of capsules).
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype = torch.float32
+    kind: Kind = "slot"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
+        if not self.name or not isinstance(self.name, str):
+            raise ValueError(f"buffer name must be a non-empty string, got {self.name!r}")
+        if self.kind not in KINDS:
+            raise ValueError(f"buffer {self.name!r}: kind must be one of {KINDS}, got {self.kind!r}")
+        if any(d < 0 for d in self.shape):
+            raise ValueError(f"buffer {self.name!r}: negative dimension in shape {self.shape}")
+        if not isinstance(self.dtype, torch.dtype):
+            raise TypeError(f"buffer {self.name!r}: dtype must be a torch.dtype, got {self.dtype!r}")
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of one slot's part (slot buffers) or of the whole buffer (others)."""
+        return self.numel * torch.empty((), dtype=self.dtype).element_size()
+
+
+def slot(name: str, shape: Sequence[int], dtype: torch.dtype = torch.float32) -> BufferSpec:
+    """Spec of a per-slot state buffer; ``shape`` excludes the slot dimension."""
+    return BufferSpec(name, tuple(shape), dtype, "slot")
+
+
+def shared(name: str, shape: Sequence[int], dtype: torch.dtype = torch.float32) -> BufferSpec:
+    """Spec of a state buffer without a slot dimension."""
+    return BufferSpec(name, tuple(shape), dtype, "shared")
+
+
+def scratch(name: str, shape: Sequence[int], dtype: torch.dtype = torch.float32) -> BufferSpec:
+    """Spec of an intermediate buffer (not part of capsules)."""
+    return BufferSpec(name, tuple(shape), dtype, "scratch")
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a buffer lives: its spec and byte offset in its arena (within the row for slots)."""
+
+    spec: BufferSpec
+    offset: int
+
+
+class BufferSet(Mapping[str, torch.Tensor]):
+    """A closed, named set of statically allocated tensors.
+
+    Read-only mapping from name to tensor: the tensors themselves are written in place
+    (``bufs["x"].copy_(...)``), never replaced.
+
+    Args:
+        specs: the buffers (see :class:`BufferSpec` and the :func:`slot` / :func:`shared` /
+            :func:`scratch` helpers).
+        num_slots: size of the leading slot dimension of ``slot`` buffers (>= 1).
+        device: where the arenas live.
+        pin_memory: allocate host arenas in page-locked memory (needed for asynchronous
+            host<->device copies). Ignored without CUDA.
+        deployment: the owner's deployment digest (model config, weights checksum, kernel
+            version...). Capsules carry it and refuse to restore into another deployment.
+
+    Example:
+        >>> bufs = BufferSet([slot("pos", (2,)), shared("tick", (), torch.int64)], num_slots=4)
+        >>> bufs["pos"].shape
+        torch.Size([4, 2])
+    """
+
+    def __init__(
+        self,
+        specs: Sequence[BufferSpec],
+        num_slots: int,
+        device: torch.device | str = "cpu",
+        *,
+        pin_memory: bool = False,
+        deployment: str = "",
+    ) -> None:
+        if int(num_slots) < 1:
+            raise ValueError(f"num_slots must be >= 1, got {num_slots}")
+        names = [s.name for s in specs]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"duplicate buffer names: {dupes}")
+        self.num_slots = int(num_slots)
+        self.device = torch.device(device)
+        self.deployment = str(deployment)
+        self.uid = uuid.uuid4().hex  # session identity: rollback only accepts this set's capsules
+        self.pinned = bool(pin_memory and self.device.type == "cpu" and torch.cuda.is_available())
+
+        sizes = dict.fromkeys(KINDS, 0)
+        self.placements: dict[str, Placement] = {}
+        for spec in specs:
+            self.placements[spec.name] = Placement(spec, sizes[spec.kind])
+            sizes[spec.kind] += _align(spec.nbytes)
+        self.row_bytes = sizes["slot"]
+
+        def arena(shape: tuple[int, ...]) -> torch.Tensor:
+            return torch.zeros(shape, dtype=torch.uint8, device=self.device, pin_memory=self.pinned)
+
+        self.slot_arena = arena((self.num_slots, self.row_bytes))
+        self.shared_arena = arena((sizes["shared"],))
+        self.scratch_arena = arena((sizes["scratch"],))
+        self._tensors = {n: self._view(p) for n, p in self.placements.items()}
+
+    def _view(self, p: Placement) -> torch.Tensor:
+        s = p.spec
+        if s.kind == "slot":
+            raw = self.slot_arena[:, p.offset : p.offset + s.nbytes]
+            return raw.view(s.dtype).view(self.num_slots, *s.shape)
+        raw = (self.shared_arena if s.kind == "shared" else self.scratch_arena)[p.offset : p.offset + s.nbytes]
+        return raw.view(s.dtype).view(s.shape)
+
+    # -- mapping -----------------------------------------------------------------------------
+    def __getitem__(self, name: str) -> torch.Tensor:
+        try:
+            return self._tensors[name]
+        except KeyError:
+            raise KeyError(f"no buffer named {name!r}; this set has {sorted(self._tensors)}") from None
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._tensors)
+
+    def __len__(self) -> int:
+        return len(self._tensors)
+
+    def __repr__(self) -> str:
+        return (
+            f"BufferSet({len(self)} buffers, num_slots={self.num_slots}, device={self.device}, "
+            f"state={self.state_nbytes} B)"
+        )
+
+    # -- layout ------------------------------------------------------------------------------
+    @property
+    def specs(self) -> tuple[BufferSpec, ...]:
+        return tuple(p.spec for p in self.placements.values())
+
+    def names(self, *kinds: Kind) -> tuple[str, ...]:
+        """Buffer names of the given kinds (all kinds if none given), in declaration order."""
+        want = kinds or KINDS
+        return tuple(n for n, p in self.placements.items() if p.spec.kind in want)
+
+    @property
+    def state_nbytes(self) -> int:
+        """Bytes of live state (slot + shared arenas): the size of a whole-set capsule."""
+        return self.slot_arena.numel() + self.shared_arena.numel()
+
+    @property
+    def layout_digest(self) -> str:
+        """Hash of the state layout (names, kinds, shapes, dtypes, offsets); independent of
+        ``num_slots`` so that slot capsules move between variants of one deployment."""
+        items = [
+            (n, p.spec.kind, list(p.spec.shape), dtype_name(p.spec.dtype), p.offset)
+            for n, p in self.placements.items()
+            if p.spec.kind != "scratch"
+        ]
+        return hashlib.sha256(json.dumps([self.row_bytes, items]).encode()).hexdigest()[:16]
+
+    def data_ptrs(self) -> dict[str, int]:
+        """Current data pointer of every buffer (the debug check of :class:`runtime.Graph`)."""
+        return {n: t.data_ptr() for n, t in self._tensors.items()}
+
+    # -- whole-set operations ---------------------------------------------------------------
+    def zero_(self) -> BufferSet:
+        """Zero every arena in place."""
+        for a in (self.slot_arena, self.shared_arena, self.scratch_arena):
+            a.zero_()
+        return self
+
+    def mirror(self, device: torch.device | str, *, pin_memory: bool = True) -> BufferSet:
+        """A new, zeroed set with the same layout and deployment on another device."""
+        return BufferSet(self.specs, self.num_slots, device, pin_memory=pin_memory, deployment=self.deployment)
+
+    def copy_from(self, src: BufferSet, *, stream: Stream | None = None) -> Event:
+        """Copy the live state (slot and shared arenas) of ``src`` into this set.
+
+        Asynchronous when one side is pinned host memory and the other a CUDA device; the
+        returned event completes when the copy has landed. Both sets must share a layout.
+        """
+        if (src.layout_digest, src.num_slots) != (self.layout_digest, self.num_slots):
+            raise ValueError(
+                "copy_from needs two sets of one layout and slot count "
+                f"(got {src.layout_digest}/{src.num_slots} -> {self.layout_digest}/{self.num_slots}); "
+                "make the destination with src.mirror(device)"
+            )
+        stream = stream or Stream.current(self.device if self.device.type == "cuda" else src.device)
+        with stream:
+            self.slot_arena.copy_(src.slot_arena, non_blocking=True)
+            self.shared_arena.copy_(src.shared_arena, non_blocking=True)
+            return Event.record_on(stream)

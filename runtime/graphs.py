@@ -1,0 +1,209 @@
+"""Captured graphs: a bounded table of replayable variants keyed by an exact shape key.
+
+Mechanism only. A :class:`Graph` records a callable that reads and writes the buffers of the
+:class:`~runtime.buffers.BufferSet` objects bound to it, once per shape key, and replays it.
+
+Backends, one interface:
+
+``cuda``   the callable is warmed up on a side stream, then captured into a
+           ``torch.cuda.CUDAGraph`` that draws from the graph's memory pool (shared between
+           all variants, and with other graphs when ``pool`` is passed). Replay launches the
+           recorded kernels; Python in the callable does not run again.
+``eager``  replay calls the recorded callable. Same semantics without a GPU: what CI tests,
+           and the eager baseline of the benchmarks.
+
+Capture has no side effect on the bound state: warm-up runs would otherwise advance it, so
+the state arenas of every bound set are saved before warm-up and put back after capture.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from runtime.buffers import BufferSet
+from runtime.streams import Stream
+
+Backend = Literal["auto", "cuda", "eager"]
+
+
+class MissingVariantError(LookupError):
+    """Replay of a shape key that has not been captured (never a silent eager run)."""
+
+
+class ReallocatedBufferError(RuntimeError):
+    """A bound buffer no longer points where it pointed at capture (debug mode)."""
+
+
+@dataclass
+class _Variant:
+    run: Callable[[], None]
+    owned: bool
+    cuda_graph: torch.cuda.CUDAGraph | None = None
+    ptrs: dict[tuple[str, str], int] = field(default_factory=dict)
+
+
+class Graph:
+    """A table of captured variants of one computation, keyed by an exact hashable key.
+
+    Args:
+        name: for messages.
+        backend: ``"cuda"``, ``"eager"``, or ``"auto"`` (CUDA when the bound sets live on a
+            CUDA device, eager otherwise).
+        max_variants: table bound; capturing past it evicts the least recently used variant.
+        pool: a ``torch.cuda.graph_pool_handle()`` to share with other graphs (CUDA only).
+        debug: check at every replay that no bound buffer was reallocated since capture.
+
+    Example:
+        >>> g = Graph("double")
+        >>> g.bind("io", bufs)
+        >>> g.capture(("n", 4), lambda: bufs["x"].mul_(2))
+        >>> g.replay(("n", 4))
+    """
+
+    def __init__(
+        self,
+        name: str = "graph",
+        *,
+        backend: Backend = "auto",
+        max_variants: int = 16,
+        pool: tuple[int, int] | None = None,
+        debug: bool = False,
+    ) -> None:
+        if backend not in ("auto", "cuda", "eager"):
+            raise ValueError(f"backend must be 'auto', 'cuda' or 'eager', got {backend!r}")
+        if max_variants < 1:
+            raise ValueError(f"max_variants must be >= 1, got {max_variants}")
+        self.name = name
+        self.requested_backend: Backend = backend
+        self.max_variants = max_variants
+        self.debug = debug
+        self.ports: dict[str, BufferSet] = {}
+        self._pool = pool
+        self._variants: OrderedDict[Hashable, _Variant] = OrderedDict()
+
+    # -- binding -----------------------------------------------------------------------------
+    def bind(self, port: str, bufs: BufferSet) -> Graph:
+        """Name the buffer set that ``port`` uses. Two graphs bound to the same set hand data
+        to each other with no copy (pointers are baked in at capture)."""
+        if port in self.ports and self.ports[port] is not bufs and self._variants:
+            raise ValueError(
+                f"graph {self.name!r}: port {port!r} is already bound and variants were captured "
+                "against it; evict them first (captured pointers cannot be re-bound)"
+            )
+        self.ports[port] = bufs
+        return self
+
+    @property
+    def device(self) -> torch.device:
+        devices = {b.device for b in self.ports.values()}
+        if len(devices) != 1:
+            raise ValueError(
+                f"graph {self.name!r}: bound sets must share one device, got {sorted(map(str, devices))}"
+                if devices
+                else f"graph {self.name!r}: bind a BufferSet before capturing"
+            )
+        return devices.pop()
+
+    @property
+    def backend(self) -> Literal["cuda", "eager"]:
+        """The backend that capture uses (``auto`` resolved from the bound device)."""
+        if self.requested_backend != "auto":
+            return self.requested_backend
+        return "cuda" if self.device.type == "cuda" else "eager"
+
+    def _ptrs(self) -> dict[tuple[str, str], int]:
+        return {(port, n): p for port, b in self.ports.items() for n, p in b.data_ptrs().items()}
+
+    # -- variants ----------------------------------------------------------------------------
+    def capture(
+        self, key: Hashable, fn: Callable[[], object], *, warmup: int = 2, stream: Stream | None = None
+    ) -> None:
+        """Record ``fn`` (which must only touch bound buffers and allocate nothing that outlives
+        it) as the variant ``key``. Re-capturing a key replaces it."""
+        hash(key)
+        if self.backend == "eager":
+            self._put(key, _Variant(run=fn, owned=True, ptrs=self._ptrs()))
+            return
+        device = self.device
+        if device.type != "cuda":
+            raise ValueError(f"graph {self.name!r}: the cuda backend needs CUDA buffers, got {device}")
+        saved = [(b, b.slot_arena.clone(), b.shared_arena.clone()) for b in self.ports.values()]
+        side = stream.cuda if stream is not None and stream.cuda is not None else torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            for _ in range(warmup):
+                fn()
+        torch.cuda.current_stream(device).wait_stream(side)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=self._pool, stream=side, capture_error_mode="thread_local"):
+            fn()
+        for b, slot_arena, shared_arena in saved:
+            b.slot_arena.copy_(slot_arena)
+            b.shared_arena.copy_(shared_arena)
+        self._put(key, _Variant(run=g.replay, owned=True, cuda_graph=g, ptrs=self._ptrs()))
+
+    def adopt(self, key: Hashable, cuda_graph: torch.cuda.CUDAGraph) -> None:
+        """Register a ``torch.cuda.CUDAGraph`` captured elsewhere as the variant ``key``. The
+        graph is not owned: eviction drops the reference, the caller keeps its lifetime."""
+        hash(key)
+        if not isinstance(cuda_graph, torch.cuda.CUDAGraph):
+            raise TypeError(f"adopt takes a torch.cuda.CUDAGraph, got {type(cuda_graph).__name__}")
+        self._put(key, _Variant(run=cuda_graph.replay, owned=False, cuda_graph=cuda_graph, ptrs=self._ptrs()))
+
+    def replay(self, key: Hashable, stream: Stream | None = None) -> None:
+        """Run the variant ``key`` (on ``stream`` if given, else the current stream)."""
+        v = self._variants.get(key)
+        if v is None:
+            raise MissingVariantError(
+                f"graph {self.name!r} has no variant {key!r}; captured: {list(self._variants)}. "
+                "Capture it first (replay never falls back to an eager run)."
+            )
+        self._variants.move_to_end(key)
+        if self.debug:
+            moved = [k for k, p in self._ptrs().items() if v.ptrs.get(k) != p]
+            if moved:
+                raise ReallocatedBufferError(
+                    f"graph {self.name!r} variant {key!r}: buffers {moved} were reallocated since "
+                    "capture; buffers must be allocated once and written in place"
+                )
+        if stream is None:
+            v.run()
+        else:
+            with stream:
+                v.run()
+
+    def _put(self, key: Hashable, v: _Variant) -> None:
+        self._variants.pop(key, None)
+        self._variants[key] = v
+        while len(self._variants) > self.max_variants:
+            self._variants.popitem(last=False)
+
+    def has_variant(self, key: Hashable) -> bool:
+        return key in self._variants
+
+    __contains__ = has_variant
+
+    def evict(self, key: Hashable) -> bool:
+        """Drop one variant; True if it existed."""
+        return self._variants.pop(key, None) is not None
+
+    def evict_lru(self) -> Hashable | None:
+        """Drop the least recently used variant and return its key (None if empty)."""
+        if not self._variants:
+            return None
+        key, _ = self._variants.popitem(last=False)
+        return key
+
+    def keys(self) -> list[Hashable]:
+        """Variant keys, least recently used first."""
+        return list(self._variants)
+
+    def __len__(self) -> int:
+        return len(self._variants)

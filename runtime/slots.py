@@ -1,0 +1,43 @@
+"""The multi-buffer slot copy: every slot buffer of a slot moves in one operation.
+
+Because a :class:`~runtime.buffers.BufferSet` keeps all per-slot state of slot ``s`` in one
+byte row (``slot_arena[s]``), restoring or forking any set of slots is a single row copy over
+the whole state, whatever the buffers' dtypes. Both functions take device tensors only (no host
+synchronisation, no data-dependent shapes), so they can run inside a captured graph: a masked
+restore is how finished env slots are reset in the step graph.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.slot_copy import masked_copy_rows
+
+
+def _words(rows: torch.Tensor) -> torch.Tensor:
+    # Rows are ALIGN-byte multiples: move them as int64 words (8x fewer elements than bytes).
+    return rows.view(torch.int64) if rows.shape[-1] % 8 == 0 and rows.is_contiguous() else rows
+
+
+def copy_rows(arena: torch.Tensor, dst_slots: torch.Tensor, rows: torch.Tensor) -> None:
+    """``arena[dst_slots[i]] = rows[i]`` for every i, in one op.
+
+    Args:
+        arena: a slot arena, ``(num_slots, row_bytes)`` uint8.
+        dst_slots: int64 slot indices on the arena's device, ``(k,)``, no duplicates.
+        rows: ``(k, row_bytes)`` uint8 on the arena's device (rows may be an expanded view).
+    """
+    if rows.stride(0) == 0:  # a broadcast row (fork): index_copy_ needs materialised rows
+        rows = rows.contiguous()
+    _words(arena).index_copy_(0, dst_slots, _words(rows))
+
+
+def masked_restore(arena: torch.Tensor, src_rows: torch.Tensor, mask: torch.Tensor) -> None:
+    """``arena[s] = src_rows[s]`` where ``mask[s]``, for all slots at once (capturable).
+
+    Args:
+        arena: a slot arena, ``(num_slots, row_bytes)`` uint8.
+        src_rows: rows of the same shape, e.g. the episode-start image of every slot.
+        mask: ``(num_slots,)`` bool on the arena's device.
+    """
+    masked_copy_rows(_words(arena), _words(src_rows), mask)

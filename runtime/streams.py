@@ -1,0 +1,93 @@
+"""Thin stream and event wrappers that work the same on CUDA and on the CPU.
+
+On CUDA they wrap ``torch.cuda.Stream`` / ``torch.cuda.Event``. On the CPU work is synchronous,
+so a stream is a no-op context and an event is complete as soon as it is recorded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from types import TracebackType
+
+import torch
+
+
+class Stream:
+    """An ordered queue of device work; ``with stream:`` makes it current.
+
+    Args:
+        device: the device whose work it orders.
+        priority: CUDA stream priority (lower is higher priority); ignored on the CPU.
+        cuda_stream: wrap an existing ``torch.cuda.Stream`` instead of creating one.
+    """
+
+    def __init__(
+        self,
+        device: torch.device | str = "cpu",
+        *,
+        priority: int = 0,
+        cuda_stream: torch.cuda.Stream | None = None,
+    ) -> None:
+        self.device = torch.device(device)
+        self.cuda: torch.cuda.Stream | None = None
+        if self.device.type == "cuda":
+            self.cuda = cuda_stream or torch.cuda.Stream(self.device, priority=priority)
+        self._ctx: contextlib.AbstractContextManager | None = None
+
+    @classmethod
+    def current(cls, device: torch.device | str = "cpu") -> Stream:
+        """The stream that is current on ``device`` now (the CPU's null stream off CUDA)."""
+        device = torch.device(device)
+        if device.type == "cuda":
+            return cls(device, cuda_stream=torch.cuda.current_stream(device))
+        return cls(device)
+
+    def wait(self, event: Event) -> None:
+        """Make later work on this stream wait for ``event``."""
+        if self.cuda is not None and event.cuda is not None:
+            self.cuda.wait_event(event.cuda)
+
+    def wait_stream(self, other: Stream) -> None:
+        """Make later work on this stream wait for all work queued on ``other`` so far."""
+        if self.cuda is not None and other.cuda is not None:
+            self.cuda.wait_stream(other.cuda)
+
+    def synchronize(self) -> None:
+        """Block the host until all work queued on this stream has finished."""
+        if self.cuda is not None:
+            self.cuda.synchronize()
+
+    def __enter__(self) -> Stream:
+        self._ctx = torch.cuda.stream(self.cuda) if self.cuda is not None else contextlib.nullcontext()
+        self._ctx.__enter__()
+        return self
+
+    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
+        assert self._ctx is not None
+        self._ctx.__exit__(et, ev, tb)
+        self._ctx = None
+
+
+class Event:
+    """A point in a stream's work that other streams or the host can wait for."""
+
+    def __init__(self, cuda_event: torch.cuda.Event | None = None) -> None:
+        self.cuda = cuda_event
+
+    @classmethod
+    def record_on(cls, stream: Stream) -> Event:
+        """Record a new event at the current end of ``stream``."""
+        if stream.cuda is None:
+            return cls()
+        ev = torch.cuda.Event()
+        ev.record(stream.cuda)
+        return cls(ev)
+
+    def query(self) -> bool:
+        """True once all work before the event has completed (never blocks)."""
+        return self.cuda is None or self.cuda.query()
+
+    def synchronize(self) -> None:
+        """Block the host until the event has completed."""
+        if self.cuda is not None:
+            self.cuda.synchronize()

@@ -1,0 +1,32 @@
+import pytest
+import torch
+
+from kernels import masked_copy_rows, masked_copy_rows_reference
+
+
+def test_reference_copies_only_masked_rows():
+    dst = torch.arange(12, dtype=torch.int64).view(4, 3)
+    src = -dst
+    masked_copy_rows(dst, src, torch.tensor([False, True, False, True]))
+    assert dst.tolist() == [[0, 1, 2], [-3, -4, -5], [6, 7, 8], [-9, -10, -11]]
+
+
+def test_shape_mismatch_is_refused():
+    with pytest.raises(ValueError, match="one 2-D shape"):
+        masked_copy_rows(torch.zeros(4, 3), torch.zeros(4, 2), torch.ones(4, dtype=torch.bool))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize(
+    ("rows", "row_len", "dtype"), [(1, 8, torch.int64), (64, 3000, torch.int64), (7, 5, torch.uint8)]
+)
+def test_triton_kernel_matches_reference_and_leaves_unmasked_rows(rows, row_len, dtype):
+    g = torch.Generator(device="cuda").manual_seed(rows)
+    for density in (0.0, 0.3, 1.0):
+        src = torch.randint(0, 100, (rows, row_len), device="cuda", generator=g).to(dtype)
+        poison = torch.full((rows, row_len), 77, device="cuda", dtype=dtype)  # unwritten rows must stay 77
+        mask = torch.rand(rows, device="cuda", generator=g) < density
+        got, want = poison.clone(), poison.clone()
+        masked_copy_rows(got, src, mask)
+        masked_copy_rows_reference(want, src, mask)
+        assert torch.equal(got, want)

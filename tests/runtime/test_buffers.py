@@ -1,0 +1,80 @@
+import pytest
+import torch
+
+from runtime import ALIGN, BufferSet, BufferSpec, Stream, scratch, shared, slot
+from tests.runtime import toy
+
+
+def test_views_share_one_slot_major_arena():
+    b = toy.make(num_slots=5)
+    assert b["pos"].shape == (5, 3) and b["hist"].dtype == torch.bfloat16 and b["tick"].shape == ()
+    assert b.slot_arena.shape == (5, b.row_bytes) and b.row_bytes % ALIGN == 0
+    for name in b.names("slot"):
+        assert b.placements[name].offset % ALIGN == 0
+        assert b[name].stride(0) * b[name].element_size() == b.row_bytes  # one row per slot
+    # a write through a view lands in that slot's row and nowhere else
+    before = b.slot_arena.clone()
+    b["vel"][2] = 7.0
+    changed = (b.slot_arena != before).any(dim=1)
+    assert changed.tolist() == [False, False, True, False, False]
+
+
+def test_names_by_kind_and_state_size():
+    b = toy.make(num_slots=2)
+    assert b.names("shared") == ("tick",)
+    assert b.names("scratch") == ("tmp",)
+    assert set(b.names("slot")) == {"pos", "vel", "hist", "key", "counter", "done"}
+    assert b.state_nbytes == 2 * b.row_bytes + b.shared_arena.numel()
+    assert len(b) == len(toy.SPECS) and set(b) == {s.name for s in toy.SPECS}
+
+
+def test_layout_digest_ignores_slot_count_but_not_layout():
+    assert toy.make(4).layout_digest == toy.make(16).layout_digest
+    other = BufferSet([slot("pos", (3,), torch.float64)], 4)
+    assert other.layout_digest != BufferSet([slot("pos", (3,))], 4).layout_digest
+
+
+@pytest.mark.parametrize(
+    ("specs", "num_slots", "match"),
+    [
+        ([slot("a", (1,)), slot("a", (2,))], 2, "duplicate buffer names"),
+        ([slot("a", (1,))], 0, "num_slots must be >= 1"),
+    ],
+)
+def test_bad_declarations_are_refused(specs, num_slots, match):
+    with pytest.raises(ValueError, match=match):
+        BufferSet(specs, num_slots)
+
+
+def test_bad_specs_and_unknown_names():
+    with pytest.raises(ValueError, match="kind must be one of"):
+        BufferSpec("a", (1,), torch.float32, "weights")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="negative dimension"):
+        slot("a", (-1,))
+    with pytest.raises(TypeError, match="must be a torch.dtype"):
+        slot("a", (1,), "float32")  # type: ignore[arg-type]
+    b = toy.make(2)
+    with pytest.raises(KeyError, match="no buffer named 'nope'"):
+        b["nope"]
+
+
+def test_mapping_is_read_only():
+    b = toy.make(2)
+    with pytest.raises(TypeError):
+        b["pos"] = torch.zeros(2, 3)  # type: ignore[index]
+
+
+def test_mirror_and_copy_from_round_trip():
+    b = toy.make(3)
+    toy.step(b)
+    m = b.mirror("cpu")
+    assert m.layout_digest == b.layout_digest and m.deployment == b.deployment
+    assert not m.slot_arena.any()
+    m.copy_from(b, stream=Stream("cpu")).synchronize()
+    assert torch.equal(m.slot_arena, b.slot_arena) and torch.equal(m.shared_arena, b.shared_arena)
+
+
+def test_copy_from_needs_matching_layout():
+    b = toy.make(3)
+    with pytest.raises(ValueError, match="make the destination with src.mirror"):
+        BufferSet([slot("x", (3,)), shared("t", ()), scratch("s", (1,))], 3).copy_from(b)

@@ -1,0 +1,140 @@
+"""The runtime's semantics under CUDA graph replay (run on the GPU machine: pytest -m cuda)."""
+
+import pytest
+import torch
+
+from runtime import CapsuleRegistry, Graph, copy_rows, fork, masked_restore, restore, snapshot
+from tests.runtime import toy
+
+pytestmark = pytest.mark.cuda
+
+
+def replayed(num_slots: int, steps: int, backend: str) -> toy.BufferSet:
+    b = toy.make(num_slots, "cuda")
+    g = Graph("toy", backend=backend).bind("state", b)
+    g.capture(num_slots, lambda: toy.step(b))
+    for _ in range(steps):
+        g.replay(num_slots)
+    torch.cuda.synchronize()
+    return b
+
+
+def test_graph_replay_equals_the_eager_backend_byte_for_byte():
+    graph, eager = replayed(16, 12, "cuda"), replayed(16, 12, "eager")
+    assert torch.equal(graph.slot_arena, eager.slot_arena) and torch.equal(graph.shared_arena, eager.shared_arena)
+
+
+def test_cuda_capture_leaves_the_state_untouched():
+    b = toy.make(8, "cuda")
+    before = toy.state_bytes(b)
+    g = Graph("toy").bind("state", b)
+    g.capture(8, lambda: toy.step(b), warmup=3)
+    assert g.backend == "cuda"
+    assert torch.equal(b.slot_arena, before[0]) and torch.equal(b.shared_arena, before[1])
+
+
+def test_snapshot_restore_fork_between_replays_are_exact():
+    b = toy.make(8, "cuda")
+    g = Graph("toy").bind("state", b)
+    g.capture(8, lambda: toy.step(b))
+    for _ in range(3):
+        g.replay(8)
+    cap = snapshot(b)
+    for _ in range(10):
+        g.replay(8)
+    uninterrupted = toy.state_bytes(b)
+    toy.scramble(b)
+    g.replay(8)
+    restore(b, cap)
+    for _ in range(10):
+        g.replay(8)
+    assert torch.equal(b.slot_arena, uninterrupted[0]) and torch.equal(b.shared_arena, uninterrupted[1])
+    fork(b, 2, range(8))
+    for _ in range(5):
+        g.replay(8)
+    assert all(torch.equal(b.slot_arena[s], b.slot_arena[0]) for s in range(8))
+
+
+def test_masked_slot_restore_inside_a_captured_graph():
+    n = 64
+    b = toy.make(n, "cuda")
+    start = snapshot(b)  # the episode-start image every finished slot returns to
+    start_rows = start.rows.clone()
+    mask = torch.zeros(n, dtype=torch.bool, device="cuda")
+
+    def step_and_reset():
+        toy.step(b)
+        mask.copy_(b["done"])
+        masked_restore(b.slot_arena, start_rows, mask)
+
+    g = Graph("autoreset").bind("state", b)
+    g.capture(n, step_and_reset)
+    ref = toy.make(n, "cuda")
+
+    def check_next_replay():
+        g.replay(n)
+        toy.step(ref)
+        done = ref["done"].clone()
+        ref.slot_arena[done] = start_rows[done]
+        assert torch.equal(b.slot_arena, ref.slot_arena) and torch.equal(b.shared_arena, ref.shared_arena)
+        return done
+
+    for _ in range(20):
+        check_next_replay()
+    for bufs in (b, ref):  # push the even slots out of bounds: they reset in the next replay
+        bufs["pos"][::2] = 100.0
+    done = check_next_replay()
+    assert done[::2].all()
+    assert torch.equal(b.slot_arena[::2], start_rows[::2])
+
+
+def test_fork_as_one_captured_row_copy():
+    b = toy.make(16, "cuda")
+    dst = torch.arange(1, 16, device="cuda")
+    g = Graph("fork").bind("state", b)
+    g.capture("fork", lambda: copy_rows(b.slot_arena, dst, b.slot_arena[0:1].expand(15, -1)))
+    toy.step(b)
+    g.replay("fork")
+    assert all(torch.equal(b.slot_arena[s], b.slot_arena[0]) for s in range(16))
+
+
+def test_adopted_external_graph_replays_through_the_table():
+    b = toy.make(4, "cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        b["pos"].add_(0)  # warm-up
+    torch.cuda.current_stream().wait_stream(side)
+    ext = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(ext):
+        b["pos"].add_(1.0)
+    g = Graph("adopted").bind("state", b)
+    g.adopt("plus1", ext)
+    before = b["pos"].clone()
+    g.replay("plus1")
+    torch.cuda.synchronize()
+    assert torch.equal(b["pos"], before + 1.0)
+    with pytest.raises(TypeError, match="CUDAGraph"):
+        g.adopt("x", lambda: None)  # type: ignore[arg-type]
+
+
+def test_host_tier_round_trip_and_registry_promotion(tmp_path):
+    b = toy.make(32, "cuda")
+    toy.step(b)
+    ref = toy.state_bytes(b)
+    cap = snapshot(b, tier="host")
+    assert cap.rows.is_pinned() and cap.rows.device.type == "cpu"
+    reg = CapsuleRegistry(tmp_path, gpu_bytes=b.state_nbytes, host_bytes=4 * b.state_nbytes)
+    reg.put("a", cap)
+    reg.put("b", snapshot(b))
+    assert reg.tier_of("a") == "host"
+    toy.scramble(b)
+    got = reg.get("a")
+    assert got.tier == "gpu" and got.rows.is_cuda and reg.tier_of("b") == "host"
+    restore(b, got)
+    torch.cuda.synchronize()
+    assert torch.equal(b.slot_arena, ref[0]) and torch.equal(b.shared_arena, ref[1])
+    disk = snapshot(b).to("disk", path=tmp_path / "d.safetensors")
+    toy.scramble(b)
+    restore(b, disk)
+    assert torch.equal(b.slot_arena, ref[0])

@@ -1,0 +1,96 @@
+import pytest
+import torch
+
+from runtime import BufferSet, Graph, MissingVariantError, ReallocatedBufferError, slot
+from tests.runtime import toy
+
+
+def test_eager_capture_has_no_side_effect_and_replay_runs_the_callable():
+    b = toy.make(4)
+    before = b.slot_arena.clone()
+    g = Graph("toy").bind("state", b)
+    g.capture(("n", 4), lambda: toy.step(b))
+    assert g.backend == "eager"
+    assert torch.equal(b.slot_arena, before)  # capture does not advance the state
+    g.replay(("n", 4))
+    ref = toy.make(4)
+    toy.step(ref)
+    assert torch.equal(b.slot_arena, ref.slot_arena) and torch.equal(b.shared_arena, ref.shared_arena)
+
+
+def test_replay_of_a_missing_key_raises_never_runs_eagerly():
+    b = toy.make(2)
+    g = Graph("toy").bind("state", b)
+    g.capture(1, lambda: toy.step(b))
+    before = b.slot_arena.clone()
+    with pytest.raises(MissingVariantError, match=r"no variant 2; captured: \[1\]"):
+        g.replay(2)
+    assert torch.equal(b.slot_arena, before)
+
+
+def test_variant_table_is_bounded_lru():
+    b = toy.make(2)
+    g = Graph("toy", max_variants=2).bind("state", b)
+    calls = []
+    g.capture("a", lambda: calls.append("a"))
+    g.capture("b", lambda: calls.append("b"))
+    g.replay("a")  # "b" is now the least recently used
+    g.capture("c", lambda: calls.append("c"))
+    assert g.keys() == ["a", "c"] and "b" not in g and len(g) == 2
+    assert g.evict_lru() == "a" and g.evict("c") and not g.evict("c")
+    assert g.evict_lru() is None
+    # re-capturing a key replaces it
+    g.capture("a", lambda: calls.append("a1"))
+    g.capture("a", lambda: calls.append("a2"))
+    g.replay("a")
+    assert calls == ["a", "a2"] and len(g) == 1
+
+
+def test_keys_must_be_hashable_and_arguments_valid():
+    b = toy.make(2)
+    g = Graph("toy").bind("state", b)
+    with pytest.raises(TypeError):
+        g.capture([1, 2], lambda: None)
+    with pytest.raises(ValueError, match="backend must be"):
+        Graph(backend="tensorrt")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="max_variants"):
+        Graph(max_variants=0)
+    with pytest.raises(ValueError, match="bind a BufferSet before capturing"):
+        Graph("unbound").capture(1, lambda: None)
+
+
+def test_rebinding_a_port_with_live_variants_is_refused():
+    g = Graph("toy").bind("state", toy.make(2))
+    g.capture(1, lambda: None)
+    with pytest.raises(ValueError, match="evict them first"):
+        g.bind("state", toy.make(2))
+
+
+def test_cuda_backend_needs_cuda_buffers():
+    g = Graph("toy", backend="cuda").bind("state", toy.make(2))
+    with pytest.raises(ValueError, match="needs CUDA buffers"):
+        g.capture(1, lambda: None)
+
+
+def test_debug_mode_catches_a_reallocated_buffer():
+    b = toy.make(2)
+    g = Graph("toy", debug=True).bind("state", b)
+    g.capture(1, lambda: toy.step(b))
+    g.replay(1)
+    b["pos"].set_(torch.zeros(2, 3))  # the view now points at new memory
+    with pytest.raises(ReallocatedBufferError, match=r"\('state', 'pos'\)"):
+        g.replay(1)
+
+
+def test_two_graphs_bound_to_one_set_hand_off_without_copies():
+    io = BufferSet([slot("plan", (4,)), slot("obs", (4,)), slot("act", (4,))], 3)
+    planner = Graph("planner").bind("io", io)
+    actor = Graph("actor").bind("io", io)
+    planner.capture(1, lambda: io["plan"].copy_(io["obs"] * 2))
+    actor.capture(1, lambda: io["act"].copy_(io["plan"] + 1))
+    ptr = io["plan"].data_ptr()
+    io["obs"].copy_(torch.arange(12.0).view(3, 4))
+    planner.replay(1)
+    actor.replay(1)
+    assert torch.equal(io["act"], torch.arange(12.0).view(3, 4) * 2 + 1)
+    assert io["plan"].data_ptr() == ptr
