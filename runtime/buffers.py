@@ -93,7 +93,7 @@ class BufferSpec:
     @property
     def nbytes(self) -> int:
         """Bytes of one slot's part (slot buffers) or of the whole buffer (others)."""
-        return self.numel * torch.empty((), dtype=self.dtype).element_size()
+        return self.numel * self.dtype.itemsize
 
 
 def slot(name: str, shape: Sequence[int], dtype: torch.dtype = torch.float32) -> BufferSpec:
@@ -158,6 +158,8 @@ class BufferSet(Mapping[str, torch.Tensor]):
             raise ValueError(f"duplicate buffer names: {dupes}")
         self.num_slots = int(num_slots)
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:  # one canonical name per device
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.deployment = str(deployment)
         self.uid = uuid.uuid4().hex  # session identity: rollback only accepts this set's capsules
         self.pinned = bool(pin_memory and self.device.type == "cpu" and torch.cuda.is_available())
@@ -176,6 +178,13 @@ class BufferSet(Mapping[str, torch.Tensor]):
         self.shared_arena = arena((sizes["shared"],))
         self.scratch_arena = arena((sizes["scratch"],))
         self._tensors = {n: self._view(p) for n, p in self.placements.items()}
+        self._names_by_kind = {k: tuple(n for n, p in self.placements.items() if p.spec.kind == k) for k in KINDS}
+        state = [
+            (n, p.spec.kind, list(p.spec.shape), dtype_name(p.spec.dtype), p.offset)
+            for n, p in self.placements.items()
+            if p.spec.kind != "scratch"
+        ]
+        self._layout_digest = hashlib.sha256(json.dumps([self.row_bytes, state]).encode()).hexdigest()[:16]
 
     def _view(self, p: Placement) -> torch.Tensor:
         s = p.spec
@@ -211,6 +220,8 @@ class BufferSet(Mapping[str, torch.Tensor]):
 
     def names(self, *kinds: Kind) -> tuple[str, ...]:
         """Buffer names of the given kinds (all kinds if none given), in declaration order."""
+        if len(kinds) == 1:
+            return self._names_by_kind[kinds[0]]
         want = kinds or KINDS
         return tuple(n for n, p in self.placements.items() if p.spec.kind in want)
 
@@ -223,12 +234,7 @@ class BufferSet(Mapping[str, torch.Tensor]):
     def layout_digest(self) -> str:
         """Hash of the state layout (names, kinds, shapes, dtypes, offsets); independent of
         ``num_slots`` so that slot capsules move between variants of one deployment."""
-        items = [
-            (n, p.spec.kind, list(p.spec.shape), dtype_name(p.spec.dtype), p.offset)
-            for n, p in self.placements.items()
-            if p.spec.kind != "scratch"
-        ]
-        return hashlib.sha256(json.dumps([self.row_bytes, items]).encode()).hexdigest()[:16]
+        return self._layout_digest
 
     def data_ptrs(self) -> dict[str, int]:
         """Current data pointer of every buffer (the debug check of :class:`runtime.Graph`)."""

@@ -285,6 +285,12 @@ def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.to(device, non_blocking=True)
 
 
+def _copy_to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A new tensor with ``t``'s bytes on ``device`` (never an alias of ``t``)."""
+    out = _to_device(t, device)
+    return t.clone() if out.data_ptr() == t.data_ptr() else out
+
+
 def _checksum(tensors: dict[str, torch.Tensor], desc: Descriptor) -> str:
     h = hashlib.sha256()
     for e in desc.entries:
@@ -394,7 +400,7 @@ def _gather(
 ) -> torch.Tensor:
     """Capsule bytes of ``entries`` from a 2-D arena (rows x bytes), on ``target``."""
     if whole:
-        return src.clone() if not fresh and target == src.device else _to_device(src, target)
+        return _to_device(src, target) if fresh else _copy_to(src, target)
     out = torch.zeros(
         (src.shape[0], sum(-(-e.nbytes // ALIGN) * ALIGN for e in entries)), dtype=torch.uint8, device=src.device
     )
@@ -497,7 +503,7 @@ def _scatter(
             if idx is None:
                 dst[:, off : off + e.nbytes].copy_(part)
             else:
-                dst[:, off : off + e.nbytes].index_copy_(0, idx, part)
+                dst[:, off : off + e.nbytes].index_put_((idx,), part)
 
 
 def fork(
@@ -538,12 +544,12 @@ def fork(
         with stream:
             stream.wait(src.ready)
             row = src.rows[i : i + 1]
-            _write(bufs, _slots_only(d), row.expand(len(dst), -1), src.shared, dst)
+            _write(bufs, _slots_only(d), row, src.shared, dst)  # one row, broadcast
         return
     (s,) = _slot_index(bufs, [src], "fork source")
     with stream:
         row = bufs.slot_arena[s : s + 1].clone()
-        copy_rows(bufs.slot_arena, _index_tensor(bufs, dst), row.expand(len(dst), -1))
+        copy_rows(bufs.slot_arena, _index_tensor(bufs, dst), row)
 
 
 def _slots_only(d: Descriptor) -> Descriptor:

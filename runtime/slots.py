@@ -25,11 +25,12 @@ def copy_rows(arena: torch.Tensor, dst_slots: torch.Tensor, rows: torch.Tensor) 
     Args:
         arena: a slot arena, ``(num_slots, row_bytes)`` uint8.
         dst_slots: int64 slot indices on the arena's device, ``(k,)``, no duplicates.
-        rows: ``(k, row_bytes)`` uint8 on the arena's device (rows may be an expanded view).
+        rows: ``(k, row_bytes)`` or ``(1, row_bytes)`` uint8 on the arena's device; one row is
+            broadcast to every target (a fork), without materialising the copies.
     """
-    if rows.stride(0) == 0:  # a broadcast row (fork): index_copy_ needs materialised rows
-        rows = rows.contiguous()
-    _words(arena).index_copy_(0, dst_slots, _words(rows))
+    if rows.shape[0] == 1 or rows.stride(0) == 0:
+        rows = rows[:1]
+    _words(arena).index_put_((dst_slots,), _words(rows.contiguous()))
 
 
 def masked_restore(arena: torch.Tensor, src_rows: torch.Tensor, mask: torch.Tensor) -> None:

@@ -40,6 +40,15 @@ def test_restore_is_byte_exact_for_every_dtype():
     assert cap.meta == {"step": 3} and cap.nbytes == b.state_nbytes
 
 
+def test_a_capsule_is_a_copy_that_later_steps_do_not_touch():
+    b = toy.make(4)
+    for cap in (snapshot(b), snapshot(b, tier="host"), snapshot(b, slots=[0, 1, 2, 3])):
+        taken = cap.rows.clone(), cap.shared.clone()
+        run(b, 2)
+        assert torch.equal(cap.rows, taken[0]) and torch.equal(cap.shared, taken[1])
+        assert not torch.equal(cap.rows, b.slot_arena)
+
+
 def test_state_completeness_continuation_is_exact():
     b = toy.make(8)
     run(b, 5)
