@@ -548,8 +548,7 @@ def fork(
         return
     (s,) = _slot_index(bufs, [src], "fork source")
     with stream:
-        row = bufs.slot_arena[s : s + 1].clone()
-        copy_rows(bufs.slot_arena, _index_tensor(bufs, dst), row)
+        copy_rows(bufs.slot_arena, _index_tensor(bufs, dst), bufs.slot_arena[s : s + 1])
 
 
 def _slots_only(d: Descriptor) -> Descriptor:

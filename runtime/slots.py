@@ -30,6 +30,8 @@ def copy_rows(arena: torch.Tensor, dst_slots: torch.Tensor, rows: torch.Tensor) 
     """
     if rows.shape[0] == 1 or rows.stride(0) == 0:
         rows = rows[:1]
+    if rows.untyped_storage().data_ptr() == arena.untyped_storage().data_ptr():
+        rows = rows.clone()  # a live slot of the same arena (fork): read it before writing
     _words(arena).index_put_((dst_slots,), _words(rows.contiguous()))
 
 

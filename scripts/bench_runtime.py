@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -123,10 +124,14 @@ def bench_masked_restore(row_bytes: int, reps: int) -> dict:
 
 
 def commit() -> str:
+    """The commit measured: $FLASHRT_COMMIT (set it where the tree has no .git), else git's HEAD."""
+    if os.environ.get("FLASHRT_COMMIT"):
+        return os.environ["FLASHRT_COMMIT"]
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
     except OSError:
         return "unknown"
+    return out.stdout.strip() or "unknown"
 
 
 def fmt_bytes(n: int) -> str:
