@@ -128,6 +128,7 @@ class Capsule:
         self.origin = origin
         self.path = path
         self.ready = ready or Event()
+        self.checked_for: set[str] = set()  # uids of the buffer sets this capsule was checked against
 
     @property
     def meta(self) -> dict[str, Any]:
@@ -303,13 +304,13 @@ def _slot_index(bufs: BufferSet, slots: Sequence[int] | torch.Tensor, what: str)
     if isinstance(slots, torch.Tensor):
         slots = slots.tolist()
     out = tuple(int(s) for s in slots)
-    bad = [s for s in out if not 0 <= s < bufs.num_slots]
-    if bad:
+    if not out:
+        raise ValueError(f"{what}: empty slot list")
+    if min(out) < 0 or max(out) >= bufs.num_slots:
+        bad = [s for s in out if not 0 <= s < bufs.num_slots]
         raise IndexError(f"{what}: slots {bad} out of range for a set of {bufs.num_slots} slots")
     if len(set(out)) != len(out):
         raise ValueError(f"{what}: duplicate slots in {list(out)}")
-    if not out:
-        raise ValueError(f"{what}: empty slot list")
     return out
 
 
@@ -412,6 +413,8 @@ def _gather(
 
 def check(bufs: BufferSet, capsule: Capsule) -> None:
     """Raise if ``capsule`` cannot be restored into ``bufs`` (deployment or layout mismatch)."""
+    if bufs.uid in capsule.checked_for:
+        return
     d = capsule.descriptor
     if d.deployment != bufs.deployment:
         raise DeploymentMismatchError(
@@ -426,6 +429,7 @@ def check(bufs: BufferSet, capsule: Capsule) -> None:
         want = (s.kind, s.shape, dtype_name(s.dtype))
         if got != want:
             raise LayoutMismatchError(f"buffer {e.name!r}: capsule has (kind, shape, dtype) {got}, target has {want}")
+    capsule.checked_for.add(bufs.uid)  # a set never changes layout: check each pair once
 
 
 def restore(
@@ -460,9 +464,10 @@ def restore(
         rows, shared = capsule.rows, capsule.shared
     assert rows is not None and shared is not None
     k = rows.shape[0]
-    if slots is None:
-        slots = d.slots if d.slots is not None else range(k)
-    dst = _slot_index(bufs, slots, "restore")
+    if slots is None and d.slots is None:
+        dst = tuple(range(bufs.num_slots))
+    else:
+        dst = _slot_index(bufs, d.slots if slots is None else slots, "restore")
     if len(dst) != k:
         raise ValueError(f"restore: capsule holds {k} slots but {len(dst)} target slots were given")
 
