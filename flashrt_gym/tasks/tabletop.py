@@ -1,0 +1,369 @@
+"""A batched, pure-torch, top-down tabletop: push the named object to the named goal.
+
+Every slot is one table in ``[-1, 1]^2`` (x right, y up): an end-effector disk under velocity
+control, ``K`` objects of distinct colours and shapes, and four goal regions (left, right, top,
+bottom) that look alike, so only the instruction ("push the red square to the left goal")
+says which object and which goal count. All state lives in a :class:`runtime.BufferSet`
+(buffers named ``sim.*``); ``reset`` / ``step`` / ``render`` are fixed-shape tensor programs with
+fixed iteration counts and no host synchronisation, so they run on the CPU and inside a
+captured CUDA graph alike.
+
+Physics per tick: ``substeps`` moves of the end-effector, each followed by ``contact_iters``
+rounds of position projection (end-effector pushes objects, objects push each other, walls
+clamp). Contacts use circles of the objects' radius whatever their drawn shape. Objects keep
+``friction`` of their last displacement as velocity into the next substep (sliding that dies
+out), so a push carries a little.
+
+Rewards per tick: ``dense`` = progress of the target object towards its goal (+ a smaller
+progress of the end-effector towards the object, + a bonus on success); ``sparse`` = -1 until
+success, then 0 (DSRL's convention). A slot that has succeeded is frozen and earns 0.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from kernels.rng import uniform
+from runtime import BufferSet, BufferSpec, slot
+
+COLORS: dict[str, tuple[int, int, int]] = {
+    "red": (215, 45, 45),
+    "green": (45, 165, 65),
+    "blue": (45, 85, 215),
+    "yellow": (225, 190, 30),
+    "purple": (140, 60, 185),
+    "orange": (235, 120, 25),
+}
+SHAPES = ("square", "circle", "triangle", "diamond")
+GOALS: dict[str, tuple[float, float]] = {
+    "left": (-0.72, 0.0),
+    "right": (0.72, 0.0),
+    "top": (0.0, 0.72),
+    "bottom": (0.0, -0.72),
+}
+BACKGROUND = (128, 128, 128)
+GOAL_COLOR = (170, 185, 170)
+EE_COLOR = (30, 30, 30)
+TEMPLATE = "push the {object} to the {goal} goal"
+
+Split = Literal["train", "heldout", "all"]
+
+
+@dataclass(frozen=True)
+class TabletopConfig:
+    """The task's parameters (all static: they shape the buffers and the captured graph).
+
+    Args:
+        objects: ``"colour shape"`` names, distinct colours and shapes (colours from
+            :data:`COLORS`, shapes from :data:`SHAPES`).
+        goals: goal names from :data:`GOALS`.
+        split: which (object, goal) instructions episodes draw from: ``"train"``, the
+            ``"heldout"`` combinations kept for generalisation tests, or ``"all"``.
+        image_size: side of the square RGB render.
+        substeps, contact_iters: fixed iteration counts of the physics.
+        ee_radius, obj_radius, goal_radius: sizes in table units (the table is 2 wide).
+        max_speed: end-effector displacement per tick at ``|action| = 1``.
+        friction: fraction of an object's displacement kept as velocity per substep.
+        spawn: objects and end-effector start in ``[-spawn, spawn]^2``.
+    """
+
+    objects: tuple[str, ...] = ("red square", "green circle", "blue triangle")
+    goals: tuple[str, ...] = ("left", "right", "top", "bottom")
+    split: Split = "train"
+    image_size: int = 64
+    substeps: int = 2
+    contact_iters: int = 3
+    ee_radius: float = 0.08
+    obj_radius: float = 0.12
+    goal_radius: float = 0.24
+    max_speed: float = 0.06
+    friction: float = 0.3
+    spawn: float = 0.4
+    heldout: tuple[tuple[int, int], ...] = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "objects", tuple(self.objects))
+        object.__setattr__(self, "goals", tuple(self.goals))
+        if not self.objects:
+            raise ValueError("the task needs at least one object, e.g. objects=('red square',)")
+        parsed = []
+        for name in self.objects:
+            parts = str(name).split()
+            if len(parts) != 2 or parts[0] not in COLORS or parts[1] not in SHAPES:
+                raise ValueError(
+                    f"object {name!r} must be 'colour shape', a colour in {list(COLORS)}, a shape in {list(SHAPES)}"
+                )
+            parsed.append(parts)
+        for i, what in ((0, "colour"), (1, "shape")):
+            seen = [p[i] for p in parsed]
+            if len(set(seen)) != len(seen):
+                raise ValueError(f"objects must have distinct {what}s, got {list(self.objects)}")
+        if not self.goals or any(g not in GOALS for g in self.goals) or len(set(self.goals)) != len(self.goals):
+            raise ValueError(f"goals must be distinct names from {list(GOALS)}, got {list(self.goals)}")
+        if self.split not in ("train", "heldout", "all"):
+            raise ValueError(f"split must be 'train', 'heldout' or 'all', got {self.split!r}")
+        if self.image_size < 16:
+            raise ValueError(f"image_size must be >= 16, got {self.image_size}")
+        for name in ("substeps", "contact_iters"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("ee_radius", "obj_radius", "goal_radius", "max_speed", "spawn"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if not 0 <= self.friction < 1:
+            raise ValueError(f"friction must be in [0, 1), got {self.friction}")
+        # Held out: every (object, goal) with (object + goal) % 4 == 3, so that each object and
+        # each goal still appears in training (with one object, nothing is held out).
+        combos = itertools.product(range(len(self.objects)), range(len(self.goals)))
+        held = tuple(c for c in combos if (c[0] + c[1]) % 4 == 3 and len(self.objects) > 1)
+        object.__setattr__(self, "heldout", held)
+
+    def combos(self, split: Split | None = None) -> list[tuple[int, int]]:
+        """(object, goal) index pairs of a split (default: this config's split)."""
+        split = split or self.split
+        every = list(itertools.product(range(len(self.objects)), range(len(self.goals))))
+        if split == "all":
+            return every
+        if split == "heldout":
+            if not self.heldout:
+                raise ValueError("this configuration holds no instructions out (it needs two or more objects)")
+            return list(self.heldout)
+        return [c for c in every if c not in self.heldout]
+
+    def instruction(self, obj: int, goal: int) -> str:
+        return TEMPLATE.format(object=self.objects[obj], goal=self.goals[goal])
+
+    @property
+    def vocabulary(self) -> list[str]:
+        """Every word an instruction of this task can use (sorted)."""
+        words = set(TEMPLATE.replace("{object}", "").replace("{goal}", "").split())
+        for o in self.objects:
+            words.update(o.split())
+        words.update(self.goals)
+        return sorted(words)
+
+
+class Tabletop:
+    """The batched simulator over the ``sim.*`` buffers of a :class:`runtime.BufferSet`.
+
+    Args:
+        cfg: the task's parameters.
+    """
+
+    def __init__(self, cfg: TabletopConfig | None = None) -> None:
+        self.cfg = cfg = cfg or TabletopConfig()
+        self.num_objects = len(cfg.objects)
+        self.instructions = [cfg.instruction(o, g) for o, g in cfg.combos("all")]
+        self._combos_all = cfg.combos("all")
+        self._split = [self._combos_all.index(c) for c in cfg.combos()]
+        self._consts: dict[torch.device, dict[str, torch.Tensor]] = {}
+
+    # -- layout --------------------------------------------------------------------------------
+    def specs(self) -> list[BufferSpec]:
+        """The per-slot state buffers the task reads and writes."""
+        k = self.num_objects
+        return [
+            slot("sim.ee", (2,)),
+            slot("sim.obj", (k, 2)),
+            slot("sim.obj_vel", (k, 2)),
+            slot("sim.instruction", (), torch.int64),  # index into self.instructions
+            slot("sim.tick", (), torch.int64),
+            slot("sim.success", (), torch.bool),
+            slot("sim.key", (), torch.int64),
+            slot("sim.counter", (), torch.int64),
+        ]
+
+    @property
+    def state_dim(self) -> int:
+        """Length of :meth:`state`: ee (2), objects (2K), target one-hot (K), goal one-hot (G)."""
+        return 2 + 3 * self.num_objects + len(self.cfg.goals)
+
+    def _c(self, device: torch.device) -> dict[str, torch.Tensor]:
+        if device not in self._consts:
+            cfg, n = self.cfg, self.cfg.image_size
+            lin = (torch.arange(n, dtype=torch.float32) + 0.5) / n * 2 - 1
+            ys, xs = torch.meshgrid(-lin, lin, indexing="ij")  # row 0 is the top of the table
+            colors = [COLORS[o.split()[0]] for o in cfg.objects]
+            self._consts[device] = {
+                "combos": torch.tensor(self._combos_all, dtype=torch.int64, device=device),
+                "split": torch.tensor(self._split, dtype=torch.int64, device=device),
+                "goals": torch.tensor([GOALS[g] for g in cfg.goals], dtype=torch.float32, device=device),
+                "pix": torch.stack([xs, ys], -1).to(device),  # (H, W, 2)
+                "colors": torch.tensor(colors, dtype=torch.float32, device=device),
+                "shapes": [SHAPES.index(o.split()[1]) for o in cfg.objects],
+            }
+        return self._consts[device]
+
+    def target_and_goal(self, b: BufferSet) -> tuple[torch.Tensor, torch.Tensor]:
+        """(slots,) target object index and (slots,) goal index of each slot's instruction."""
+        combo = self._c(b.device)["combos"][b["sim.instruction"]]
+        return combo[:, 0], combo[:, 1]
+
+    # -- dynamics ------------------------------------------------------------------------------
+    def seed(self, b: BufferSet, seeds: torch.Tensor, mask: torch.Tensor | None = None) -> None:
+        """Set each slot's RNG key from an int64 seed (and zero its counter), where ``mask``."""
+        keep = torch.ones_like(b["sim.success"]) if mask is None else mask
+        b["sim.key"].copy_(torch.where(keep, seeds.to(b.device, torch.int64), b["sim.key"]))
+        b["sim.counter"].masked_fill_(keep, 0)
+
+    def reset(self, b: BufferSet, mask: torch.Tensor | None = None, instruction: torch.Tensor | None = None) -> None:
+        """Draw a new episode from each slot's RNG where ``mask`` (all slots if None).
+
+        ``instruction`` (slots,) int64 forces instruction indices (``-1`` keeps the draw).
+        """
+        cfg, c, k = self.cfg, self._c(b.device), self.num_objects
+        m = torch.ones_like(b["sim.success"]) if mask is None else mask
+        u = uniform(b["sim.key"], b["sim.counter"], 3 + 2 * k)
+        split = c["split"]
+        drawn = split[(u[:, 0] * len(self._split)).long().clamp_(max=len(self._split) - 1)]
+        if instruction is not None:
+            drawn = torch.where(instruction >= 0, instruction, drawn)
+        ee = (u[:, 1:3] * 2 - 1) * cfg.spawn
+        obj = ((u[:, 3:] * 2 - 1) * cfg.spawn).view(-1, k, 2)
+        for _ in range(8):  # separate overlapping starts
+            obj = self._contacts(ee, obj)
+        w = m.view(-1, 1)
+        b["sim.ee"].copy_(torch.where(w, ee, b["sim.ee"]))
+        b["sim.obj"].copy_(torch.where(w[:, :, None], obj, b["sim.obj"]))
+        b["sim.obj_vel"].masked_fill_(w[:, :, None], 0.0)
+        b["sim.instruction"].copy_(torch.where(m, drawn, b["sim.instruction"]))
+        b["sim.tick"].masked_fill_(m, 0)
+        b["sim.success"].masked_fill_(m, False)
+        b["sim.counter"].add_(m.long())
+
+    def _contacts(self, ee: torch.Tensor, obj: torch.Tensor) -> torch.Tensor:
+        """One round of position projection: ee pushes objects, objects push apart, walls."""
+        cfg = self.cfg
+        d = obj - ee[:, None]
+        dist = d.norm(dim=-1, keepdim=True).clamp_min(1e-6)
+        obj = obj + d / dist * (cfg.ee_radius + cfg.obj_radius - dist).clamp_min(0.0)
+        if self.num_objects > 1:
+            dij = obj[:, :, None] - obj[:, None, :]  # (N, K, K, 2)
+            dist = dij.norm(dim=-1, keepdim=True)
+            overlap = (2 * cfg.obj_radius - dist).clamp_min(0.0) * (dist > 1e-6)
+            obj = obj + 0.5 * (dij / dist.clamp_min(1e-6) * overlap).sum(dim=2)
+        lim = 1.0 - cfg.obj_radius
+        return obj.clamp(-lim, lim)
+
+    def step(self, b: BufferSet, action: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Advance every slot one tick under ``action`` (slots, 2) in [-1, 1] (clipped).
+
+        Returns:
+            (dense, sparse) rewards of this tick, each (slots,) float32.
+        """
+        cfg = self.cfg
+        alive = ~b["sim.success"]
+        d_obj0, d_ee0 = self._distances(b)
+        vel = action.clamp(-1.0, 1.0) * (cfg.max_speed / cfg.substeps) * alive[:, None]
+        ee, obj, obj_vel = b["sim.ee"], b["sim.obj"], b["sim.obj_vel"]
+        lim = 1.0 - cfg.ee_radius
+        for _ in range(cfg.substeps):
+            new_ee = (ee + vel).clamp(-lim, lim)
+            prev = obj
+            moved = obj + obj_vel
+            for _ in range(cfg.contact_iters):
+                moved = self._contacts(new_ee, moved)
+            a = alive.view(-1, 1, 1)
+            obj_vel = torch.where(a, (moved - prev) * cfg.friction, obj_vel)
+            obj = torch.where(a, moved, obj)
+            ee = new_ee
+        b["sim.ee"].copy_(ee)
+        b["sim.obj"].copy_(obj)
+        b["sim.obj_vel"].copy_(obj_vel)
+        d_obj1, d_ee1 = self._distances(b)
+        success = d_obj1 < cfg.goal_radius
+        newly = success & alive
+        b["sim.success"].copy_(success | ~alive)
+        b["sim.tick"].add_(alive.long())
+        dense = (5.0 * (d_obj0 - d_obj1) + 1.0 * (d_ee0 - d_ee1) + 2.0 * newly) * alive
+        sparse = torch.where(alive & ~success, -1.0, 0.0)
+        return dense, sparse
+
+    def _distances(self, b: BufferSet) -> tuple[torch.Tensor, torch.Tensor]:
+        """Target object to its goal centre, and end-effector to the target's contact ring."""
+        target, goal = self.target_and_goal(b)
+        obj = b["sim.obj"].gather(1, target.view(-1, 1, 1).expand(-1, 1, 2)).squeeze(1)
+        g = self._c(b.device)["goals"][goal]
+        ring = (b["sim.ee"] - obj).norm(dim=-1) - (self.cfg.ee_radius + self.cfg.obj_radius)
+        return (obj - g).norm(dim=-1), ring.clamp_min(0.0)
+
+    # -- observations --------------------------------------------------------------------------
+    def render(self, b: BufferSet) -> torch.Tensor:
+        """(slots, H, W, 3) uint8 top-down image of every slot."""
+        cfg, c = self.cfg, self._c(b.device)
+        pix = c["pix"]  # (H, W, 2)
+        n = b.num_slots
+        img = torch.tensor(BACKGROUND, dtype=torch.float32, device=b.device).expand(n, *pix.shape[:2], 3)
+        goal_mask = ((pix[None] - c["goals"][:, None, None]).norm(dim=-1) < cfg.goal_radius).any(0)
+        img = torch.where(
+            goal_mask[None, :, :, None], torch.tensor(GOAL_COLOR, device=b.device, dtype=torch.float32), img
+        )
+        r = cfg.obj_radius
+        for k, shape in enumerate(c["shapes"]):
+            d = pix[None] - b["sim.obj"][:, k][:, None, None]  # (N, H, W, 2)
+            dx, dy = d[..., 0], d[..., 1]
+            if shape == 0:  # square
+                inside = torch.maximum(dx.abs(), dy.abs()) < 0.85 * r
+            elif shape == 1:  # circle
+                inside = dx * dx + dy * dy < r * r
+            elif shape == 2:  # triangle, apex up
+                inside = (dy > -0.75 * r) & (dy + 1.7 * dx.abs() < 0.95 * r)
+            else:  # diamond
+                inside = dx.abs() + dy.abs() < 1.05 * r
+            img = torch.where(inside[..., None], c["colors"][k], img)
+        d = pix[None] - b["sim.ee"][:, None, None]
+        img = torch.where(
+            (d.norm(dim=-1) < cfg.ee_radius)[..., None],
+            torch.tensor(EE_COLOR, device=b.device, dtype=torch.float32),
+            img,
+        )
+        return img.to(torch.uint8)
+
+    def proprio(self, b: BufferSet) -> torch.Tensor:
+        """(slots, 2) end-effector position: the policy's proprioceptive input."""
+        return b["sim.ee"]
+
+    def state(self, b: BufferSet) -> torch.Tensor:
+        """(slots, state_dim) float32 low-dimensional observation."""
+        target, goal = self.target_and_goal(b)
+        return torch.cat(
+            [
+                b["sim.ee"],
+                b["sim.obj"].reshape(b.num_slots, -1),
+                torch.nn.functional.one_hot(target, self.num_objects).float(),
+                torch.nn.functional.one_hot(goal, len(self.cfg.goals)).float(),
+            ],
+            dim=1,
+        )
+
+    # -- scripted expert -----------------------------------------------------------------------
+    def expert(self, b: BufferSet) -> torch.Tensor:
+        """(slots, 2) action of a scripted pusher: get behind the target (going around it when
+        in front), then push it along the line to the goal centre, correcting sideways."""
+        cfg = self.cfg
+        target, goal = self.target_and_goal(b)
+        ee = b["sim.ee"]
+        obj = b["sim.obj"].gather(1, target.view(-1, 1, 1).expand(-1, 1, 2)).squeeze(1)
+        g = self._c(b.device)["goals"][goal]
+        to_goal = g - obj
+        u = to_goal / to_goal.norm(dim=-1, keepdim=True).clamp_min(1e-6)
+        perp = torch.stack([-u[:, 1], u[:, 0]], dim=-1)
+        contact = cfg.ee_radius + cfg.obj_radius
+        rel = ee - obj
+        along = (rel * u).sum(-1)  # < 0: behind the object
+        side = (rel * perp).sum(-1)
+        push_point = obj - u * (contact + 0.01)
+        behind = (along < -0.6 * contact) & (side.abs() < 0.5 * contact)
+        # pushing: drive along u, pull the end-effector back onto the line through the object
+        push = u + 4.0 * (push_point - ee - u * ((push_point - ee) * u).sum(-1, keepdim=True))
+        # approaching: go to a point behind the object; from in front, first to its side
+        sign = torch.where(side >= 0, 1.0, -1.0)[:, None]
+        around = obj + perp * sign * (contact + 0.06) - u * 0.5 * contact
+        waypoint = torch.where((along > -0.3 * contact)[:, None], around, push_point - u * 0.02)
+        approach = (waypoint - ee) / cfg.max_speed
+        action = torch.where(behind[:, None], push, approach)
+        return action.clamp(-1.0, 1.0)
