@@ -1,0 +1,24 @@
+"""The VLA flow policy: a pi0-shaped model, its static-buffer pipeline, and its weights."""
+
+from policies.config import PRESETS, PolicyConfig, pi0, tiny
+from policies.model import FlowPolicy
+from policies.pipeline import STAGES, PolicyPipeline, deployment_digest, policy_specs
+from policies.tokenizer import WordTokenizer
+from policies.weights import WeightsError, load, save, tokenizer_for
+
+__all__ = [
+    "PRESETS",
+    "STAGES",
+    "FlowPolicy",
+    "PolicyConfig",
+    "PolicyPipeline",
+    "WeightsError",
+    "WordTokenizer",
+    "deployment_digest",
+    "load",
+    "pi0",
+    "policy_specs",
+    "save",
+    "tiny",
+    "tokenizer_for",
+]

@@ -1,0 +1,294 @@
+"""A pi0-shaped flow-matching VLA in a few hundred lines.
+
+Shapes in comments: N slots (batch), L instruction words, C cameras, P patches per camera,
+T_B = C*P + 1 frame tokens (block B), R = (n_obs_steps - 1) * T_B ring tokens, H horizon,
+A action dim, D prefix width, E expert width, h heads, g kv heads, d head dim, S layers.
+
+- Vision: a SigLIP-shaped ViT over each camera's patches of the newest frame, projected to D.
+- Prefix transformer (Gemma-shaped: RMSNorm, GQA, rotary, gated MLP). Block A (instruction)
+  attends only to itself, so its keys/values are computed once per instruction. Block B (image
+  tokens + a proprio token) attends to A, the ring of previous frames and itself.
+- Action expert: a narrower transformer with the same depth, heads and head dim; layer l of
+  the expert attends to the prefix keys/values of layer l and to its own action tokens.
+- Flow matching: t = 1 noise, t = 0 data; x_t = t*noise + (1-t)*actions; target noise - actions;
+  Euler x <- x - v/steps at t = 1, 1 - 1/steps, ...; time embeddings are precomputed per step.
+
+Keys/values are laid out ``(N, S, 2, g, T, d)``: the caches of the static-buffer pipeline
+(`policies.pipeline`) have exactly this shape, and training builds the same tensors on the fly.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from policies.config import PolicyConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
+
+
+def rope_tables(
+    pos: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin (N, 1, T, d/2) for integer positions (N, T)."""
+    inv = theta ** (-torch.arange(0, head_dim, 2, device=pos.device, dtype=torch.float32) / head_dim)
+    ang = pos.float()[:, None, :, None] * inv
+    return ang.cos().to(dtype), ang.sin().to(dtype)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate (N, heads, T, d) by the tables (rotate-half convention)."""
+    a, b = x.chunk(2, dim=-1)
+    return torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None) -> torch.Tensor:
+    """(N, h, Tq, d) queries over (N, g, Tk, d) keys/values; key_mask (N, Tk) bool or None."""
+    mask = None if key_mask is None else key_mask[:, None, None, :]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm layer: GQA self/cross attention with rotary embeddings, gated (GeGLU) MLP."""
+
+    def __init__(self, width: int, heads: int, kv_heads: int, head_dim: int, mlp: int) -> None:
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
+        self.norm1, self.norm2 = RMSNorm(width), RMSNorm(width)
+        self.q = nn.Linear(width, heads * head_dim, bias=False)
+        self.kv = nn.Linear(width, 2 * kv_heads * head_dim, bias=False)
+        self.o = nn.Linear(heads * head_dim, width, bias=False)
+        self.gate_up = nn.Linear(width, 2 * mlp, bias=False)
+        self.down = nn.Linear(mlp, width, bias=False)
+
+    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """x (N, T, W) -> q (N, h, T, d), k and v (N, g, T, d), rotated."""
+        n, t, _ = x.shape
+        y = self.norm1(x)
+        q = self.q(y).view(n, t, self.heads, self.head_dim).transpose(1, 2)
+        k, v = self.kv(y).view(n, t, 2, self.kv_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        return rope(q, cos, sin), rope(k, cos, sin), v
+
+    def finish(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """Residual add of the attention output (N, h, T, d), then the MLP."""
+        x = x + self.o(attn.transpose(1, 2).flatten(2))
+        gate, up = self.gate_up(self.norm2(x)).chunk(2, dim=-1)
+        return x + self.down(F.gelu(gate, approximate="tanh") * up)
+
+    def forward(self, x, cos, sin, ctx_k=None, ctx_v=None, ctx_mask=None, own_mask=None):
+        """Attend to context keys/values (N, g, Tc, d) and to itself; returns (x, k, v)."""
+        q, k, v = self.qkv(x, cos, sin)
+        if ctx_k is None:
+            attn = attend(q, k, v, own_mask)
+        else:
+            own = (
+                torch.ones(k.shape[0], k.shape[2], dtype=torch.bool, device=k.device) if own_mask is None else own_mask
+            )
+            attn = attend(q, torch.cat([ctx_k, k], 2), torch.cat([ctx_v, v], 2), torch.cat([ctx_mask, own], 1))
+        return self.finish(x, attn), k, v
+
+
+class VisionBlock(nn.Module):
+    """SigLIP-shaped encoder block: LayerNorm, full multi-head attention, GELU MLP."""
+
+    def __init__(self, width: int, heads: int, mlp: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.norm1, self.norm2 = nn.LayerNorm(width), nn.LayerNorm(width)
+        self.qkv = nn.Linear(width, 3 * width)
+        self.o = nn.Linear(width, width)
+        self.fc1, self.fc2 = nn.Linear(width, mlp), nn.Linear(mlp, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n, t, w = x.shape
+        q, k, v = self.qkv(self.norm1(x)).view(n, t, 3, self.heads, w // self.heads).permute(2, 0, 3, 1, 4)
+        x = x + self.o(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).flatten(2))
+        return x + self.fc2(F.gelu(self.fc1(self.norm2(x)), approximate="tanh"))
+
+
+def sincos(t: torch.Tensor, dim: int, min_period: float = 4e-3, max_period: float = 4.0) -> torch.Tensor:
+    """pi0's sinusoidal time embedding: (n,) -> (n, dim)."""
+    frac = torch.linspace(0.0, 1.0, dim // 2, dtype=torch.float64, device=t.device)
+    period = min_period * (max_period / min_period) ** frac
+    ang = t.double()[:, None] * (2 * math.pi / period)
+    return torch.cat([ang.sin(), ang.cos()], dim=-1).float()
+
+
+class FlowPolicy(nn.Module):
+    """The policy's weights and its three computations: instruction, frame, and denoising."""
+
+    def __init__(self, cfg: PolicyConfig) -> None:
+        super().__init__()
+        self.cfg = c = cfg
+        self.text_embed = nn.Embedding(len(c.vocab) + 2, c.width)
+        self.patch_embed = nn.Linear(3 * c.patch_size**2, c.vision_width)
+        self.vision_pos = nn.Parameter(torch.randn(c.num_cameras, c.patches, c.vision_width) * 0.02)
+        self.vision = nn.ModuleList(
+            VisionBlock(c.vision_width, c.vision_heads, c.vision_mlp) for _ in range(c.vision_depth)
+        )
+        self.vision_norm = nn.LayerNorm(c.vision_width)
+        self.projector = nn.Linear(c.vision_width, c.width)
+        self.proprio_proj = nn.Linear(c.proprio_dim, c.width)
+        self.prefix = nn.ModuleList(
+            DecoderLayer(c.width, c.heads, c.kv_heads, c.head_dim, c.mlp) for _ in range(c.depth)
+        )
+        self.prefix_norm = RMSNorm(c.width)
+        self.action_in = nn.Linear(c.action_dim, c.expert_width)
+        self.time_in = nn.Linear(2 * c.expert_width, c.expert_width)
+        self.time_out = nn.Linear(c.expert_width, c.expert_width)
+        self.expert = nn.ModuleList(
+            DecoderLayer(c.expert_width, c.heads, c.kv_heads, c.head_dim, c.expert_mlp) for _ in range(c.depth)
+        )
+        self.expert_norm = RMSNorm(c.expert_width)
+        self.action_out = nn.Linear(c.expert_width, c.action_dim)
+        # Euler times t_s = 1 - s/steps and their embeddings are fixed: computed once, not saved.
+        times = 1.0 - torch.arange(c.steps, dtype=torch.float64) / c.steps
+        self.register_buffer("step_time_embed", sincos(times, c.expert_width), persistent=False)
+        self.apply(self._init)
+
+    @staticmethod
+    def _init(m: nn.Module) -> None:
+        if isinstance(m, nn.Linear):
+            nn.init.normal_(m.weight, std=0.02)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+        elif isinstance(m, nn.Embedding):
+            nn.init.normal_(m.weight, std=0.02)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.action_in.weight.dtype
+
+    def _tables(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return rope_tables(pos, self.cfg.head_dim, self.cfg.rope_theta, self.dtype)
+
+    def frame_positions(self, frame: torch.Tensor, tokens: int) -> torch.Tensor:
+        """(N, tokens) positions of frame ``frame`` (N,): after the instruction, T_B per frame."""
+        base = self.cfg.max_text_len + frame * self.cfg.frame_tokens
+        return base[:, None] + torch.arange(tokens, device=frame.device)
+
+    # -- block A -------------------------------------------------------------------------------
+    def encode_text(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """ids, mask (N, L) -> instruction keys/values (N, S, 2, g, L, d)."""
+        n, length = ids.shape
+        x = self.text_embed(ids).to(self.dtype) * math.sqrt(self.cfg.width)
+        cos, sin = self._tables(torch.arange(length, device=ids.device).expand(n, length))
+        kvs = []
+        for layer in self.prefix:
+            x, k, v = layer(x, cos, sin, own_mask=mask)
+            kvs.append(torch.stack([k, v], 1))
+        return torch.stack(kvs, 1)
+
+    # -- block B -------------------------------------------------------------------------------
+    def embed_frame(self, image: torch.Tensor, proprio: torch.Tensor) -> torch.Tensor:
+        """image (N, C, H, W, 3) uint8, proprio (N, P) -> frame tokens (N, T_B, D)."""
+        c = self.cfg
+        n, ps, g = image.shape[0], c.patch_size, c.image_size // c.patch_size
+        x = image.to(self.dtype) * (2.0 / 255.0) - 1.0
+        x = x.view(n * c.num_cameras, g, ps, g, ps, 3).permute(0, 1, 3, 2, 4, 5).reshape(n * c.num_cameras, g * g, -1)
+        x = self.patch_embed(x) + self.vision_pos.repeat(n, 1, 1)
+        for block in self.vision:
+            x = block(x)
+        x = self.projector(self.vision_norm(x)).view(n, c.num_cameras * c.patches, c.width)
+        return torch.cat([x, self.proprio_proj(proprio.to(self.dtype))[:, None]], dim=1)
+
+    def encode_frame(
+        self,
+        image: torch.Tensor,
+        proprio: torch.Tensor,
+        frame: torch.Tensor,
+        ctx_kv: torch.Tensor,
+        ctx_mask: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The newest frame over its context (instruction + ring, (N, S, 2, g, Tc, d) with mask
+        (N, Tc)) -> its keys/values (N, S, 2, g, T_B, d) and pooled features (N, D)."""
+        x = self.embed_frame(image, proprio)
+        cos, sin = self._tables(self.frame_positions(frame, x.shape[1]))
+        kvs = []
+        for i, layer in enumerate(self.prefix):
+            x, k, v = layer(x, cos, sin, ctx_kv[:, i, 0], ctx_kv[:, i, 1], ctx_mask)
+            kvs.append(torch.stack([k, v], 1))
+        return torch.stack(kvs, 1), self.prefix_norm(x).float().mean(1)
+
+    # -- action expert -------------------------------------------------------------------------
+    def velocity(
+        self,
+        x: torch.Tensor,
+        step: int | torch.Tensor,
+        prefix_kv: torch.Tensor,
+        prefix_mask: torch.Tensor,
+        frame: torch.Tensor,
+    ) -> torch.Tensor:
+        """v(x_t, t) for noisy actions x (N, H, A) at Euler step ``step`` (an int, or per-slot
+        continuous times t (N,) for training) over the prefix (N, S, 2, g, Tp, d)."""
+        c = self.cfg
+        a = self.action_in(x.to(self.dtype))
+        if isinstance(step, int):
+            te = self.step_time_embed[step].to(self.dtype).expand(a.shape[0], a.shape[1], -1)
+        else:
+            te = sincos(step, c.expert_width).to(a.device, self.dtype)[:, None].expand(-1, a.shape[1], -1)
+        h = self.time_out(F.silu(self.time_in(torch.cat([a, te], dim=-1))))
+        cos, sin = self._tables(self.frame_positions(frame + 1, c.horizon))
+        for i, layer in enumerate(self.expert):
+            h, _, _ = layer(h, cos, sin, prefix_kv[:, i, 0], prefix_kv[:, i, 1], prefix_mask)
+        return self.action_out(self.expert_norm(h)).float()
+
+    def sample(
+        self, noise: torch.Tensor, prefix_kv: torch.Tensor, prefix_mask: torch.Tensor, frame: torch.Tensor
+    ) -> torch.Tensor:
+        """Euler integration from noise (t = 1) to actions (t = 0): (N, H, A) float32."""
+        x = noise.float()
+        for s in range(self.cfg.steps):
+            x = x - self.velocity(x, s, prefix_kv, prefix_mask, frame) / self.cfg.steps
+        return x
+
+    # -- training ------------------------------------------------------------------------------
+    def loss(self, batch: dict[str, torch.Tensor], generator: torch.Generator | None = None) -> torch.Tensor:
+        """Flow-matching loss on a batch of windows.
+
+        batch: ``text_ids``/``text_mask`` (B, L); ``images`` (B, n_obs, C, H, W, 3) uint8 and
+        ``proprio`` (B, n_obs, P), oldest frame first; ``frame_valid`` (B, n_obs) bool (frames
+        before the episode start are False; the last is always True); ``frame`` (B,) int64 index
+        of the newest frame in its episode; ``actions`` (B, H, A); ``action_mask`` (B, H).
+        The window is encoded frame by frame exactly as the pipeline does at run time.
+        """
+        prefix, prefix_mask = self.encode_window(batch)
+        actions = batch["actions"].float()
+        b = actions.shape[0]
+        # pi0's time distribution Beta(1.5, 1) * 0.999 + 0.001, by its inverse CDF u ** (1 / 1.5)
+        u = torch.rand(b, generator=generator, device=actions.device)
+        t = u.pow(1 / 1.5) * 0.999 + 0.001
+        noise = torch.randn(actions.shape, generator=generator, device=actions.device)
+        x_t = t[:, None, None] * noise + (1 - t[:, None, None]) * actions
+        v = self.velocity(x_t, t, prefix, prefix_mask, batch["frame"])
+        err = (v - (noise - actions)).pow(2).mean(-1)
+        m = batch["action_mask"].float()
+        return (err * m).sum() / m.sum().clamp_min(1.0)
+
+    def encode_window(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The prefix keys/values (B, S, 2, g, Tp, d) and mask (B, Tp) of a window of frames,
+        encoded frame by frame as the pipeline does at run time (the oldest frame of the window
+        sees the instruction only: history beyond the window is truncated)."""
+        c = self.cfg
+        text_kv = self.encode_text(batch["text_ids"], batch["text_mask"])
+        ring_kv, ring_mask = [], []
+        for j in range(c.n_obs_steps):
+            ctx = torch.cat([text_kv, *ring_kv], dim=4) if ring_kv else text_kv
+            ctx_mask = torch.cat([batch["text_mask"], *ring_mask], dim=1)
+            frame = batch["frame"] - (c.n_obs_steps - 1 - j)
+            obs_kv, _ = self.encode_frame(batch["images"][:, j], batch["proprio"][:, j], frame, ctx, ctx_mask)
+            ring_kv.append(obs_kv)
+            ring_mask.append(batch["frame_valid"][:, j : j + 1].expand(-1, c.frame_tokens))
+        return torch.cat([text_kv, *ring_kv], dim=4), torch.cat([batch["text_mask"], *ring_mask], dim=1)

@@ -1,0 +1,190 @@
+import pytest
+import torch
+
+from policies import FlowPolicy, WeightsError, WordTokenizer, load, save
+from runtime import restore, snapshot
+from tests.policies.small import TEXTS, config, observe, pipeline
+
+
+def act(p, noise: torch.Tensor) -> torch.Tensor:
+    p["noise"].copy_(noise)
+    p.denoise()
+    return p["actions"].clone()
+
+
+def test_actions_have_the_configured_shape_and_depend_on_noise():
+    p = pipeline(4)
+    observe(p, 0)
+    z = torch.randn(4, 4, 2)
+    a = act(p, z)
+    assert a.shape == (4, 4, 2) and torch.isfinite(a).all()
+    assert torch.equal(act(p, z), a)
+    assert not torch.allclose(act(p, z + 1), a)
+
+
+def test_graph_backend_equals_direct_calls():
+    direct, graphed = pipeline(4), pipeline(4)
+    graphed.capture()
+    for step in range(3):
+        observe(direct, step)
+        g = torch.Generator().manual_seed(step)
+        graphed["image"].copy_(torch.randint(0, 256, graphed["image"].shape, generator=g, dtype=torch.uint8))
+        graphed["proprio"].copy_(torch.rand(graphed["proprio"].shape, generator=g) * 2 - 1)
+        graphed.run("encode_observation")
+        direct.draw_noise()
+        direct.denoise()
+        graphed.run("draw_noise")
+        graphed.run("denoise")
+        assert torch.equal(direct.bufs.slot_arena, graphed.bufs.slot_arena)
+
+
+def test_restored_state_gives_byte_identical_actions():
+    p = pipeline(4)
+    observe(p, 1)
+    observe(p, 2)
+    cap = snapshot(p.bufs)
+    z = torch.randn(4, 4, 2)
+    want = act(p, z)
+    observe(p, 3)  # other observations move the ring and the newest frame
+    observe(p, 4)
+    assert not torch.equal(act(p, z), want)
+    restore(p.bufs, cap)
+    assert torch.equal(act(p, z), want)
+
+
+def test_restoring_the_instruction_without_the_history_ring_diverges():
+    p = pipeline(4)
+    observe(p, 1)
+    observe(p, 2)
+    names = [n for n in p.bufs.names("slot") if n not in ("policy.kv_ring", "policy.ring_valid")]
+    partial = snapshot(p.bufs, names=names)
+    z = torch.randn(4, 4, 2)
+    want = act(p, z)
+    observe(p, 5)
+    restore(p.bufs, partial)
+    assert not torch.allclose(act(p, z), want)
+
+
+def test_slots_are_independent():
+    p = pipeline(4)
+    observe(p, 1)
+    z = torch.randn(4, 4, 2)
+    want = act(p, z)
+    p["image"][3].random_(0, 255)
+    p["proprio"][3].fill_(0.9)
+    z[3] += 1
+    p.encode_observation()  # slots 0..2 see the same new frame as well: compare on a twin
+    twin = pipeline(4)
+    observe(twin, 1)
+    twin["image"].copy_(p["image"])
+    twin["proprio"].copy_(p["proprio"])
+    twin["image"][3].zero_()
+    twin["proprio"][3].fill_(-0.9)
+    twin.encode_observation()
+    got, other = act(p, z), act(twin, z * torch.tensor([1, 1, 1, 0])[:, None, None])
+    assert torch.equal(got[:3], other[:3]) and not torch.equal(want[:3], got[:3])
+
+
+def test_draw_noise_is_reproducible_per_slot_and_advances():
+    p = pipeline(4)
+    p.draw_noise()
+    first = p["noise"].clone()
+    p.draw_noise()
+    assert not torch.equal(first, p["noise"])
+    p["rng_counter"].zero_()
+    p.draw_noise()
+    assert torch.equal(first, p["noise"]) and not torch.equal(first[0], first[1])
+
+
+def test_training_window_encoding_matches_the_pipeline():
+    p = pipeline(2)
+    frames = []
+    for step in range(2):
+        observe(p, 10 + step)
+        frames.append((p["image"].clone(), p["proprio"].clone()))
+    batch = {
+        "text_ids": p["text_ids"].clone(),
+        "text_mask": p["text_mask"].clone(),
+        "images": torch.stack([f[0] for f in frames], 1),
+        "proprio": torch.stack([f[1] for f in frames], 1),
+        "frame_valid": torch.ones(2, 2, dtype=torch.bool),
+        "frame": torch.ones(2, dtype=torch.int64),
+    }
+    prefix, mask = p.model.encode_window(batch)
+    live = torch.cat([p["kv_text"], p["kv_ring"], p["kv_obs"]], 4)
+    assert torch.equal(
+        mask, torch.ones_like(mask) & torch.cat([p["text_mask"], torch.ones(2, 2 * 17, dtype=torch.bool)], 1)
+    )
+    torch.testing.assert_close(prefix[..., p.cfg.max_text_len + 17 :, :], live[..., p.cfg.max_text_len + 17 :, :])
+
+
+def test_flow_matching_loss_trains():
+    torch.manual_seed(0)
+    model = FlowPolicy(config())
+    n = 8
+    batch = {
+        "text_ids": torch.randint(2, 10, (n, 16)),
+        "text_mask": torch.ones(n, 16, dtype=torch.bool),
+        "images": torch.randint(0, 256, (n, 2, 1, 32, 32, 3), dtype=torch.uint8),
+        "proprio": torch.rand(n, 2, 2),
+        "frame_valid": torch.tensor([[False, True]] * 4 + [[True, True]] * 4),
+        "frame": torch.tensor([0] * 4 + [5] * 4),
+        "actions": torch.rand(n, 4, 2) * 2 - 1,
+        "action_mask": torch.ones(n, 4, dtype=torch.bool),
+    }
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(40):  # the same noise and times every step: a fixed objective to fit
+        loss = model.loss(batch, torch.Generator().manual_seed(0))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert torch.isfinite(torch.tensor(losses)).all()
+    assert losses[-1] < 0.3 * losses[0]
+
+
+def test_weights_round_trip_and_mismatches_are_named(tmp_path):
+    p = pipeline(2)
+    save(p.model, tmp_path / "w")
+    model, wid = load(tmp_path / "w")
+    assert len(wid) == 64
+    for (k, a), (_, b) in zip(p.model.state_dict().items(), model.state_dict().items(), strict=True):
+        assert torch.equal(a, b), k
+    other = pipeline(2, cfg=config(mlp=96), seed=1)
+    save(other.model, tmp_path / "bad")
+    (tmp_path / "bad" / "config.json").write_text((tmp_path / "w" / "config.json").read_text())
+    with pytest.raises(
+        WeightsError, match=r"wrong shapes \['prefix.0.down.weight: file \(64, 96\) vs config \(64, 128\)'"
+    ):
+        load(tmp_path / "bad")
+    (tmp_path / "w" / "tokenizer.json").unlink()
+    with pytest.raises(WeightsError, match="has no tokenizer.json"):
+        load(tmp_path / "w")
+    save(p.model, tmp_path / "c")
+    data = (tmp_path / "c" / "model.safetensors").read_bytes()
+    (tmp_path / "c" / "model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(WeightsError, match="truncated or corrupted"):
+        load(tmp_path / "c")
+
+
+def test_tokenizer_errors_name_the_problem():
+    tok = WordTokenizer(["push", "the", "red"], max_len=3)
+    ids, mask = tok.encode("Push the RED")
+    assert mask.all() and tok.decode(ids) == ["push the red"]
+    with pytest.raises(ValueError, match=r"words \['blue'\] outside the vocabulary"):
+        tok.encode("push the blue")
+    with pytest.raises(ValueError, match="at most 3"):
+        tok.encode("push the red red")
+    assert TEXTS[0].split()[0] == "push"
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="multiple of patch_size"):
+        config(image_size=30)
+    with pytest.raises(ValueError, match="multiple of kv_heads"):
+        config(heads=3, kv_heads=2)
+    from policies import PolicyConfig
+
+    with pytest.raises(ValueError, match="unknown fields"):
+        PolicyConfig.from_json('{"vocab": [], "bogus": 1}')
