@@ -121,8 +121,7 @@ def bench(preset: str, n: int, reps: int, do_compile: bool) -> dict:
         torch.cuda.synchronize()
         rec["compile_s"] = time.perf_counter() - t
         rec["compile_ms"] = latency_ms(fn, reps)
-    del p, g, model
-    torch.cuda.empty_cache()
+        torch._dynamo.reset()  # drop the compiled graphs (and their references to this model)
     return rec
 
 
@@ -152,6 +151,7 @@ def main() -> None:
         rows.append(
             bench(preset, n, args.reps if preset == "tiny" else max(5, args.reps // 5), f"{preset}:{n}" in args.compile)
         )
+        torch.cuda.empty_cache()
         print(json.dumps(rows[-1]), flush=True)
     result = {
         "gpu": torch.cuda.get_device_name(),
