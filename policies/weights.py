@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import tempfile
 from pathlib import Path
 
 import torch
@@ -18,6 +17,7 @@ from safetensors.torch import load_file, save_file
 from policies.config import PolicyConfig
 from policies.model import FlowPolicy
 from policies.tokenizer import WordTokenizer
+from runtime.files import atomic_write
 
 CONFIG, TOKENIZER, WEIGHTS = "config.json", "tokenizer.json", "model.safetensors"
 
@@ -30,19 +30,6 @@ def tokenizer_for(cfg: PolicyConfig) -> WordTokenizer:
     return WordTokenizer(cfg.vocab, cfg.max_text_len)
 
 
-def _atomic_write(path: Path, write) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        write(tmp)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def save(model: FlowPolicy, folder: str | os.PathLike, *, dtype: torch.dtype = torch.float32) -> Path:
     """Write the model's config, tokenizer and weights (as ``dtype``) into ``folder``."""
     folder = Path(folder)
@@ -51,9 +38,9 @@ def save(model: FlowPolicy, folder: str | os.PathLike, *, dtype: torch.dtype = t
         k: v.detach().to("cpu", dtype if v.is_floating_point() else v.dtype).contiguous()
         for k, v in model.state_dict().items()
     }
-    _atomic_write(folder / WEIGHTS, lambda p: save_file(tensors, p, metadata={"format": "flashrt-policy/1"}))
-    _atomic_write(folder / CONFIG, lambda p: Path(p).write_text(model.cfg.to_json()))
-    _atomic_write(folder / TOKENIZER, lambda p: Path(p).write_text(tokenizer_for(model.cfg).to_json()))
+    atomic_write(folder / WEIGHTS, lambda p: save_file(tensors, p, metadata={"format": "flashrt-policy/1"}))
+    atomic_write(folder / CONFIG, lambda p: Path(p).write_text(model.cfg.to_json()))
+    atomic_write(folder / TOKENIZER, lambda p: Path(p).write_text(tokenizer_for(model.cfg).to_json()))
     return folder
 
 

@@ -16,6 +16,7 @@ from runtime.capsule import (
     rollback,
     snapshot,
 )
+from runtime.files import atomic_write
 from runtime.graphs import Graph, MissingVariantError, ReallocatedBufferError
 from runtime.registry import CapsuleRegistry, RegistryStats
 from runtime.slots import copy_rows, masked_restore
@@ -39,6 +40,7 @@ __all__ = [
     "ReallocatedBufferError",
     "RegistryStats",
     "Stream",
+    "atomic_write",
     "copy_rows",
     "fork",
     "masked_restore",

@@ -17,7 +17,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -28,6 +27,7 @@ from safetensors import SafetensorError
 from safetensors.torch import safe_open, save_file
 
 from runtime.buffers import ALIGN, BufferSet, BufferSpec, dtype_from_name, dtype_name
+from runtime.files import atomic_write
 from runtime.slots import copy_rows
 from runtime.streams import Event, Stream
 
@@ -206,22 +206,7 @@ class Capsule:
             "descriptor": self.descriptor.to_json(),
             "sha256": _checksum(tensors, self.descriptor),
         }
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-        os.close(fd)
-        try:
-            save_file(tensors, tmp, metadata=meta)
-            with open(tmp, "rb+") as f:
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-        dir_fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
+        atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata=meta))
         self.path = path
         return path
 

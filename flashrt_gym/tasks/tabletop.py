@@ -194,6 +194,9 @@ class Tabletop:
                 "goals": torch.tensor([GOALS[g] for g in cfg.goals], dtype=torch.float32, device=device),
                 "pix": torch.stack([xs, ys], -1).to(device),  # (H, W, 2)
                 "colors": torch.tensor(colors, dtype=torch.float32, device=device),
+                "background": torch.tensor(BACKGROUND, dtype=torch.float32, device=device),
+                "goal_color": torch.tensor(GOAL_COLOR, dtype=torch.float32, device=device),
+                "ee_color": torch.tensor(EE_COLOR, dtype=torch.float32, device=device),
                 "shapes": [SHAPES.index(o.split()[1]) for o in cfg.objects],
             }
         return self._consts[device]
@@ -297,11 +300,9 @@ class Tabletop:
         cfg, c = self.cfg, self._c(b.device)
         pix = c["pix"]  # (H, W, 2)
         n = b.num_slots
-        img = torch.tensor(BACKGROUND, dtype=torch.float32, device=b.device).expand(n, *pix.shape[:2], 3)
+        img = c["background"].expand(n, *pix.shape[:2], 3)
         goal_mask = ((pix[None] - c["goals"][:, None, None]).norm(dim=-1) < cfg.goal_radius).any(0)
-        img = torch.where(
-            goal_mask[None, :, :, None], torch.tensor(GOAL_COLOR, device=b.device, dtype=torch.float32), img
-        )
+        img = torch.where(goal_mask[None, :, :, None], c["goal_color"], img)
         r = cfg.obj_radius
         for k, shape in enumerate(c["shapes"]):
             d = pix[None] - b["sim.obj"][:, k][:, None, None]  # (N, H, W, 2)
@@ -318,7 +319,7 @@ class Tabletop:
         d = pix[None] - b["sim.ee"][:, None, None]
         img = torch.where(
             (d.norm(dim=-1) < cfg.ee_radius)[..., None],
-            torch.tensor(EE_COLOR, device=b.device, dtype=torch.float32),
+            c["ee_color"],
             img,
         )
         return img.to(torch.uint8)
