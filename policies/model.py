@@ -126,6 +126,17 @@ def sincos(t: torch.Tensor, dim: int, min_period: float = 4e-3, max_period: floa
     return torch.cat([ang.sin(), ang.cos()], dim=-1).float()
 
 
+def sincos_2d(grid: int, dim: int) -> torch.Tensor:
+    """Fixed 2-D sin-cos position embedding of a grid x grid patch layout: (grid*grid, dim)."""
+    ys, xs = torch.meshgrid(
+        torch.arange(grid, dtype=torch.float32), torch.arange(grid, dtype=torch.float32), indexing="ij"
+    )
+    omega = 1.0 / 10000 ** (torch.arange(dim // 4, dtype=torch.float32) / max(1, dim // 4))
+    ang_y, ang_x = ys.flatten()[:, None] * omega, xs.flatten()[:, None] * omega
+    emb = torch.cat([ang_y.sin(), ang_y.cos(), ang_x.sin(), ang_x.cos()], dim=1)
+    return torch.nn.functional.pad(emb, (0, dim - emb.shape[1]))
+
+
 class FlowPolicy(nn.Module):
     """The policy's weights and its three computations: instruction, frame, and denoising."""
 
@@ -134,7 +145,8 @@ class FlowPolicy(nn.Module):
         self.cfg = c = cfg
         self.text_embed = nn.Embedding(len(c.vocab) + 2, c.width)
         self.patch_embed = nn.Linear(3 * c.patch_size**2, c.vision_width)
-        self.vision_pos = nn.Parameter(torch.randn(c.num_cameras, c.patches, c.vision_width) * 0.02)
+        grid = c.image_size // c.patch_size  # learned, from a 2-D sin-cos start (ViTs from scratch need it)
+        self.vision_pos = nn.Parameter(sincos_2d(grid, c.vision_width).expand(c.num_cameras, -1, -1).clone())
         self.vision = nn.ModuleList(
             VisionBlock(c.vision_width, c.vision_heads, c.vision_mlp) for _ in range(c.vision_depth)
         )

@@ -99,6 +99,7 @@ def run(cfg: DictConfig) -> dict:
             evals.append({"step": step, "weights": str(folder), **{f"success_{k}": v for k, v in rates.items()}})
             for k, v in rates.items():
                 writer.add_scalar(f"eval/success_{k}", v, step)
+            writer.flush()
             rate_text = ", ".join(f"success {k} {v:.3f}" for k, v in rates.items())
             tqdm.write(f"step {step}: loss {loss.item():.4f}, {rate_text}")
             summary = {"parameters": params, "seconds": time.perf_counter() - t0, "evals": evals, "config": dict(cfg)}
