@@ -70,7 +70,7 @@ def run(cfg: DictConfig) -> dict:
     out = Path(cfg.out)
     writer = SummaryWriter(out / "tb")
     g = torch.Generator(device=device).manual_seed(cfg.seed)
-    evals, t0, seen = [], time.perf_counter(), 0
+    evals, t0, seen, skipped = [], time.perf_counter(), 0, 0
     params = sum(p.numel() for p in model.parameters())
     print(
         f"pretrain: {params / 1e6:.1f} M parameters, {len(windows)} windows from {len(data['tick'])} ticks on {device}"
@@ -84,7 +84,11 @@ def run(cfg: DictConfig) -> dict:
         opt.zero_grad(set_to_none=True)
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        opt.step()
+        if torch.isfinite(grad_norm):
+            opt.step()
+        else:  # one bad batch must not turn every weight into NaN (seen once at lr 1e-3)
+            skipped += 1
+            writer.add_scalar("pretrain/skipped_steps", skipped, step)
         sched.step()
         seen += cfg.batch_size
         if step % 50 == 0 or step == cfg.steps:
