@@ -35,12 +35,17 @@ def copy_rows(arena: torch.Tensor, dst_slots: torch.Tensor, rows: torch.Tensor) 
     _words(arena).index_put_((dst_slots,), _words(rows.contiguous()))
 
 
-def masked_restore(arena: torch.Tensor, src_rows: torch.Tensor, mask: torch.Tensor) -> None:
-    """``arena[s] = src_rows[s]`` where ``mask[s]``, for all slots at once (capturable).
+def masked_restore(
+    arena: torch.Tensor, src_rows: torch.Tensor, mask: torch.Tensor, index: torch.Tensor | None = None
+) -> None:
+    """``arena[s] = src_rows[index[s]]`` (``src_rows[s]`` without an index) where ``mask[s]``,
+    for all slots at once (capturable).
 
     Args:
         arena: a slot arena, ``(num_slots, row_bytes)`` uint8.
-        src_rows: rows of the same shape, e.g. the episode-start image of every slot.
+        src_rows: ``(n, row_bytes)`` rows of the same layout, e.g. a pool of episode starts.
         mask: ``(num_slots,)`` bool on the arena's device.
+        index: ``(num_slots,)`` int64 row of ``src_rows`` for each slot (needed when ``n`` is
+            not ``num_slots``).
     """
-    masked_copy_rows(_words(arena), _words(src_rows), mask)
+    masked_copy_rows(_words(arena), _words(src_rows), mask, index)

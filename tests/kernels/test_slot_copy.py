@@ -11,8 +11,15 @@ def test_reference_copies_only_masked_rows():
     assert dst.tolist() == [[0, 1, 2], [-3, -4, -5], [6, 7, 8], [-9, -10, -11]]
 
 
+def test_reference_gathers_indexed_rows():
+    dst = torch.zeros(3, 2, dtype=torch.int64)
+    src = torch.arange(10, dtype=torch.int64).view(5, 2)
+    masked_copy_rows(dst, src, torch.tensor([True, False, True]), torch.tensor([4, 0, 1]))
+    assert dst.tolist() == [[8, 9], [0, 0], [2, 3]]
+
+
 def test_shape_mismatch_is_refused():
-    with pytest.raises(ValueError, match="one 2-D shape"):
+    with pytest.raises(ValueError, match="of one row length and dtype"):
         masked_copy_rows(torch.zeros(4, 3), torch.zeros(4, 2), torch.ones(4, dtype=torch.bool))
 
 
@@ -29,4 +36,9 @@ def test_triton_kernel_matches_reference_and_leaves_unmasked_rows(rows, row_len,
         got, want = poison.clone(), poison.clone()
         masked_copy_rows(got, src, mask)
         masked_copy_rows_reference(want, src, mask)
+        assert torch.equal(got, want)
+        index = torch.randint(0, rows, (rows,), device="cuda", generator=g)
+        got, want = poison.clone(), poison.clone()
+        masked_copy_rows(got, src, mask, index)
+        masked_copy_rows_reference(want, src, mask, index)
         assert torch.equal(got, want)
