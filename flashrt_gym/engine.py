@@ -19,7 +19,7 @@ import torch
 
 from flashrt_gym.tasks import Tabletop
 from policies import FlowPolicy, PolicyPipeline, deployment_digest, policy_specs, tokenizer_for
-from runtime import BufferSet, Graph, slot
+from runtime import BufferSet, BufferSpec, Graph, slot
 
 ENV_SPECS = [
     slot("env.reward_dense", ()),
@@ -41,6 +41,7 @@ class Engine:
         n_action_steps: actions of each denoised chunk executed per step (<= horizon).
         max_episode_steps: steps (chunks) after which an episode is truncated.
         backend: graph backend (``"auto"``: CUDA graphs on a GPU, eager on the CPU).
+        extra_specs: more buffers for the owner (an env's inputs and outputs) in the same set.
     """
 
     def __init__(
@@ -53,6 +54,7 @@ class Engine:
         n_action_steps: int = 4,
         max_episode_steps: int = 40,
         backend: str = "auto",
+        extra_specs: Sequence[BufferSpec] = (),
     ) -> None:
         c = model.cfg
         if not 1 <= n_action_steps <= c.horizon:
@@ -70,7 +72,8 @@ class Engine:
         device = next(model.parameters()).device
         task_id = repr(task.cfg) + f"|n_action_steps={n_action_steps}|max_episode_steps={max_episode_steps}"
         digest = deployment_digest(model, weights_id + "|" + task_id)
-        self.bufs = BufferSet(task.specs() + policy_specs(model) + ENV_SPECS, num_slots, device, deployment=digest)
+        specs = [*task.specs(), *policy_specs(model), *ENV_SPECS, *extra_specs]
+        self.bufs = BufferSet(specs, num_slots, device, deployment=digest)
         self.policy = PolicyPipeline(model, self.bufs, backend=backend)
         ids, mask = tokenizer_for(c).encode(task.instructions)
         self.text_ids, self.text_mask = ids.to(device), mask.to(device)
@@ -114,14 +117,17 @@ class Engine:
         self.bufs["policy.text_mask"].copy_(self.text_mask[instruction])
         self.policy.encode_instruction()
 
-    def step(self, draw_noise: bool = False) -> None:
+    def step(self, draw_noise: bool = False, residual: torch.Tensor | None = None) -> None:
         """One action chunk for every slot (capturable). With ``draw_noise`` the base policy
-        draws its own noise from the per-slot RNG; otherwise ``policy.noise`` is the input."""
+        draws its own noise from the per-slot RNG; otherwise ``policy.noise`` is the input.
+        ``residual`` (slots, horizon, action_dim) is added to the denoised chunk (then clipped)."""
         b, task = self.bufs, self.task
         if draw_noise:
             self.policy.draw_noise()
         self.policy.denoise()
         actions = b["policy.actions"]
+        if residual is not None:
+            actions = (actions + residual).clamp(-1.0, 1.0)
         dense = torch.zeros_like(b["env.reward_dense"])
         sparse = torch.zeros_like(b["env.reward_sparse"])
         for i in range(self.n_action_steps):
