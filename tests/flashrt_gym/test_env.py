@@ -219,7 +219,7 @@ def test_episodes_truncate_after_max_episode_steps_and_the_pool_refreshes():
     env.reset(seed=0)
     first_base = env._pool_base
     for _ in range(8):  # far more episodes than the pool holds
-        _, _, te, tr, _ = env.step(np.zeros((2, 16), np.float32))
+        env.step(np.zeros((2, 16), np.float32))
         assert (env.bufs["env.steps"].numpy() <= 2).all()
     assert env._pool_base != first_base
 
