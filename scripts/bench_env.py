@@ -61,6 +61,7 @@ def bench_steps(sizes: list[int], eager_sizes: list[int], sync_envs: int, reps: 
             row["graph_ms" if graphs else "eager_ms"] = ms
             row["graph_steps_per_s" if graphs else "eager_steps_per_s"] = n / ms * 1e3
         rows.append(row)
+        print("steps", json.dumps(row), flush=True)
     sync = gym.vector.SyncVectorEnv([lambda: FlashRTEnv(device="cuda", pool_size=16) for _ in range(sync_envs)])
     sync.reset(seed=0)
     zeros = np.zeros((sync_envs, 16), np.float32)
@@ -84,6 +85,7 @@ def bench_reset(lengths: list[int], reps: int) -> list[dict]:
         rows.append(
             {"context_tokens": length, "capsule_reset_ms": capsule, "cold_reset_ms": cold, "speedup": cold / capsule}
         )
+        print("reset", json.dumps(rows[-1]), flush=True)
     return rows
 
 
@@ -100,6 +102,7 @@ def bench_fork(counts: list[int], reps: int) -> list[dict]:
         fork = wall_ms(lambda d=dst_slots: runtime.fork(env.bufs, 0, d), reps)
         floor = wall_ms(lambda s=src, d=dst: d.copy_(s), reps)
         rows.append({"n": k, "bytes": k * row_bytes, "fork_ms": fork, "copy_floor_ms": floor, "ratio": fork / floor})
+        print("fork", json.dumps(rows[-1]), flush=True)
     return rows
 
 
