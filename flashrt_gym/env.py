@@ -151,7 +151,8 @@ class FlashRTVectorEnv(VectorEnv):
         self._pool = Engine(self.task, model, weights_id, self.pool_size, extra_specs=pool_extra, **kw)
         if self._pool.bufs.layout_digest != self.bufs.layout_digest:
             raise AssertionError("the start pool and the live slots must share one row layout")
-        self.registry = CapsuleRegistry(gpu_bytes=8 * self._pool.bufs.state_nbytes)
+        pool_bytes = self._pool.bufs.state_nbytes  # start pools per seed block: a few on the GPU, more on the host
+        self.registry = CapsuleRegistry(gpu_bytes=4 * pool_bytes, host_bytes=16 * pool_bytes)
         self._pool_base: int | None = None
 
         self.single_action_space = spaces.Box(-1.0, 1.0, (c.horizon * c.action_dim,), np.float32)
@@ -213,6 +214,9 @@ class FlashRTVectorEnv(VectorEnv):
         else:
             self._pool.start(torch.arange(self.pool_size) + base)
             self.registry.put(name, runtime.snapshot(self._pool.bufs, meta={"seed": base}))
+        if self._pool_base is not None:  # the pool in use stays pinned; earlier ones may be demoted
+            self.registry.unpin(f"starts-{self._pool_base}")
+        self.registry.pin(name)
         self._pool_base = base
 
     def _refresh_pool(self) -> None:

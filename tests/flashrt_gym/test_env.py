@@ -251,3 +251,22 @@ def test_sb3_adapter_contract_and_learning_smoke():
     assert len(venv.env_method("snapshot", indices=[0])) == 1
     SAC("MlpPolicy", venv, learning_starts=4, batch_size=8, train_freq=1, verbose=0).learn(12)
     PPO("MlpPolicy", venv, n_steps=4, batch_size=4, n_epochs=1, verbose=0).learn(8)
+
+
+def test_record_video_writes_episode_videos(tmp_path):
+    from gymnasium.wrappers import RecordVideo
+
+    env = RecordVideo(
+        gym.make("FlashRT-VLA", device="cpu", pool_size=4, max_episode_steps=3, render_mode="rgb_array"),
+        str(tmp_path),
+        episode_trigger=lambda _: True,
+        disable_logger=True,
+    )
+    env.reset(seed=0)
+    done = False
+    while not done:
+        _, _, term, trunc, _ = env.step(env.action_space.sample())
+        done = term or trunc
+    env.close()
+    videos = list(tmp_path.glob("*.mp4"))
+    assert len(videos) == 1 and videos[0].stat().st_size > 0
