@@ -15,36 +15,19 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
-import platform
-import statistics
 import tempfile
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import gymnasium as gym
 import numpy as np
 import torch
+from benchlib import provenance, wall_ms
 
 import runtime
 from flashrt_gym import FlashRTEnv, FlashRTVectorEnv
 from flashrt_gym.engine import Engine
 from flashrt_gym.tasks import TabletopConfig
 from policies import FlowPolicy, save, tiny
-
-
-def wall_ms(fn: Callable[[], object], reps: int, warmup: int = 2) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - t) * 1e3)
-    return statistics.median(times)
 
 
 def bench_steps(sizes: list[int], eager_sizes: list[int], sync_envs: int, reps: int) -> list[dict]:
@@ -119,10 +102,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("bench_env.py measures the GPU env: run it on a machine with a CUDA GPU")
     result = {
-        "gpu": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "commit": os.environ.get("FLASHRT_COMMIT", "unknown"),
+        **provenance(),
         "steps": bench_steps(args.sizes, args.eager_sizes, args.sync_envs, args.reps),
         "reset": bench_reset(args.contexts, args.reps),
         "fork": bench_fork(args.forks, args.reps),

@@ -19,33 +19,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
-import statistics
-import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from benchlib import provenance, wall_ms
 
 from flashrt_gym.tasks import TabletopConfig
 from policies import PRESETS, FlowPolicy, PolicyPipeline, policy_specs, tokenizer_for
 from runtime import BufferSet, Graph
-
-
-def latency_ms(fn: Callable[[], object], reps: int, warmup: int = 3) -> float:
-    """Median wall time of one synchronous call (launch to completion), in ms."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - t) * 1e3)
-    return statistics.median(times)
 
 
 def make_pipeline(model: FlowPolicy, n: int) -> PolicyPipeline:
@@ -105,13 +88,13 @@ def bench(preset: str, n: int, reps: int, do_compile: bool) -> dict:
         p.denoise()
 
     rec: dict = {"preset": preset, "batch": n, "params_M": sum(x.numel() for x in model.parameters()) / 1e6}
-    rec["eager_ms"] = latency_ms(step, reps)
+    rec["eager_ms"] = wall_ms(step, reps)
     g = Graph(f"{preset}-step").bind("state", p.bufs)
     t = time.perf_counter()
     g.capture(n, step)
     torch.cuda.synchronize()
     rec["capture_s"] = time.perf_counter() - t
-    rec["graph_ms"] = latency_ms(lambda: g.replay(n), reps)
+    rec["graph_ms"] = wall_ms(lambda: g.replay(n), reps)
     rec["graph_chunks_per_s"] = n / rec["graph_ms"] * 1e3
     if do_compile:
         fn = pure_step(model, p)
@@ -120,19 +103,9 @@ def bench(preset: str, n: int, reps: int, do_compile: bool) -> dict:
             fn()
         torch.cuda.synchronize()
         rec["compile_s"] = time.perf_counter() - t
-        rec["compile_ms"] = latency_ms(fn, reps)
+        rec["compile_ms"] = wall_ms(fn, reps)
         torch._dynamo.reset()  # drop the compiled graphs (and their references to this model)
     return rec
-
-
-def commit() -> str:
-    if os.environ.get("FLASHRT_COMMIT"):
-        return os.environ["FLASHRT_COMMIT"]
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-    except OSError:
-        return "unknown"
-    return out.stdout.strip() or "unknown"
 
 
 def main() -> None:
@@ -154,10 +127,7 @@ def main() -> None:
         torch.cuda.empty_cache()
         print(json.dumps(rows[-1]), flush=True)
     result = {
-        "gpu": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "commit": commit(),
+        **provenance(),
         "dtype": "bfloat16",
         "rows": rows,
     }

@@ -13,14 +13,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
-import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from benchlib import provenance
 
 from runtime import BufferSet, Graph, fork, masked_restore, restore, slot, snapshot
 
@@ -123,17 +121,6 @@ def bench_masked_restore(row_bytes: int, reps: int) -> dict:
     }
 
 
-def commit() -> str:
-    """The commit measured: $FLASHRT_COMMIT (set it where the tree has no .git), else git's HEAD."""
-    if os.environ.get("FLASHRT_COMMIT"):
-        return os.environ["FLASHRT_COMMIT"]
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-    except OSError:
-        return "unknown"
-    return out.stdout.strip() or "unknown"
-
-
 def fmt_bytes(n: int) -> str:
     for unit in ("B", "KB", "MB", "GB"):
         if n < 1024 or unit == "GB":
@@ -156,10 +143,7 @@ def main() -> None:
         torch.cuda.empty_cache()
     graph = [bench_masked_restore(row, max(args.reps, 200)) for row in (16 << 10, 256 << 10, 1536 << 10)]
     result = {
-        "gpu": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "commit": commit(),
+        **provenance(),
         "sizes": sizes,
         "masked_restore_in_graph": graph,
     }
