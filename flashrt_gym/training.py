@@ -39,7 +39,7 @@ def _require(cond: bool, key: str, msg: str) -> None:
         raise ConfigError(f"config key '{key}': {msg}")
 
 
-AUTO = {"total_steps": (200_000, 2_000), "eval.episodes": (256, 32)}  # (GPU, CPU-only) budgets
+AUTO = {"total_steps": (200_000, 3_000), "eval.episodes": (256, 32)}  # (GPU, CPU-only) budgets
 
 
 def resolve_budget(cfg: DictConfig) -> None:
