@@ -228,8 +228,10 @@ class FlashRTVectorEnv(VectorEnv):
 
     # -- Gymnasium API -------------------------------------------------------------------------
     def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
-        """Restore episode-start capsules: every slot (slot i draws seed ``seed + i``), or only
-        the slots in ``options["reset_mask"]`` (their next starts from the pool)."""
+        """Restore episode-start capsules. With a seed every slot restarts from the pool of that
+        seed (slot i draws ``seed + i``; the pool is encoded once and kept in the registry);
+        without one every slot takes its next start from the current pool; with
+        ``options["reset_mask"]`` only the masked slots do."""
         if seed is not None and not isinstance(seed, (int, np.integer)):
             raise ValueError(f"seed must be an int (slot i uses seed + i) or None, got {type(seed).__name__}")
         super().reset(seed=None if seed is None else int(seed))
@@ -238,6 +240,8 @@ class FlashRTVectorEnv(VectorEnv):
         if unknown:
             raise ValueError(f"unknown reset options {unknown}; supported: ['reset_mask']")
         mask = options.get("reset_mask")
+        if mask is None and seed is None and self._started:  # no seed: the next starts, no cold path
+            mask = np.ones(self.num_envs, dtype=np.bool_)
         if mask is not None:
             if not self._started:
                 raise ValueError("reset(options={'reset_mask': ...}) needs a full reset() first")
@@ -399,7 +403,7 @@ class FlashRTEnv(gym.Env):
 
     def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
         super().reset(seed=seed)
-        if seed is None:
+        if seed is None and not self.vec._started:
             seed = int(self.np_random.integers(0, 2**31 - 1))
         obs, info = self.vec.reset(seed=seed, options=options)
         return _first(obs), {k: v[0] for k, v in info.items()}

@@ -83,6 +83,17 @@ def test_reset_is_deterministic_per_seed_and_slots_draw_different_episodes():
         env.reset(seed=[1, 2, 3, 4])
 
 
+def test_reset_without_a_seed_takes_the_next_starts_without_a_cold_path():
+    env = make(2, pool_size=8)
+    a, _ = env.reset(seed=3)
+    base = env._pool_base
+    b, _ = env.reset()
+    c, _ = env.reset()
+    assert env._pool_base == base and not np.array_equal(a, b) and not np.array_equal(b, c)
+    again, _ = env.reset(seed=3)
+    assert np.array_equal(again, a)
+
+
 def test_reset_mask_resets_only_the_masked_slots():
     env = make(4)
     env.reset(seed=0)
