@@ -109,3 +109,25 @@ def test_a_two_job_multirun_runs_and_aggregates(tmp_path):
     out = run("aggregate.py", str(sweep))
     assert "| default | 2 |" in out.stdout
     assert (sweep / "summary.md").is_file() and (sweep / "curves.png").is_file()
+
+
+def test_eval_of_the_base_policy_records_videos(tmp_path):
+    out = run("eval.py", "experiment=smoke", f"+video={tmp_path}/videos", f"hydra.run.dir={tmp_path}/e")
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["checkpoint"] is None and 0 <= result["success"] <= 1
+    assert len(list((tmp_path / "videos").glob("*.mp4"))) == 2
+
+
+@pytest.mark.parametrize(
+    ("override", "plugin"),
+    [
+        ("hydra/launcher=slurm", "hydra_plugins.hydra_submitit_launcher"),
+        ("hydra/launcher=ray_cluster", "hydra_plugins.hydra_ray_launcher"),
+        ("hydra/sweeper=optuna_search", "hydra_plugins.hydra_optuna_sweeper"),
+    ],
+)
+def test_launcher_and_sweeper_presets_compose_when_their_plugin_is_installed(override, plugin):
+    pytest.importorskip(plugin)
+    with initialize_config_dir(config_dir=CONFIGS, version_base="1.3"):
+        cfg = compose(config_name="train", overrides=[override], return_hydra_config=True)
+    assert cfg.hydra.launcher or cfg.hydra.sweeper
