@@ -220,11 +220,12 @@ class FlashRTVectorEnv(VectorEnv):
         self._pool_base = base
 
     def _refresh_pool(self) -> None:
-        """Move to the next block of seeds once some slot has used up the pool."""
+        """Move to the next block of seeds once some slot has used up the pool; every slot then
+        starts over at its own row of the new pool (rows a slot had not reached are skipped)."""
         nxt = self.bufs["env.next_start"]
         if int(nxt.max()) >= self.pool_size:
             self._use_pool(self._pool_base + self.pool_size)
-            nxt.sub_(self.pool_size).clamp_(min=0)
+            nxt.copy_(torch.arange(self.num_envs, device=self.device))
 
     # -- Gymnasium API -------------------------------------------------------------------------
     def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):

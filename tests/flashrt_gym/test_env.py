@@ -94,6 +94,16 @@ def test_reset_without_a_seed_takes_the_next_starts_without_a_cold_path():
     assert np.array_equal(again, a)
 
 
+def test_slots_never_share_a_start_across_pool_refreshes():
+    env = make(2, pool_size=4)
+    env.reset(seed=0)
+    only_first = np.array([True, False])
+    for _ in range(3):  # slot 0 uses up the pool alone, slot 1 keeps its episode
+        env.reset(options={"reset_mask": only_first})
+    obs, _ = env.reset(options={"reset_mask": np.array([True, True])})
+    assert not np.array_equal(obs[0], obs[1])
+
+
 def test_reset_mask_resets_only_the_masked_slots():
     env = make(4)
     env.reset(seed=0)
