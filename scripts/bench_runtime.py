@@ -14,31 +14,14 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from benchlib import provenance
+from benchlib import cuda_time, provenance
 
 from runtime import BufferSet, Graph, fork, masked_restore, restore, slot, snapshot
 
 SIZES = [1 << 10, 10 << 10, 100 << 10, 1 << 20, 10 << 20, 100 << 20, 1 << 30]
-
-
-def cuda_time(fn: Callable[[], object], reps: int, warmup: int = 3) -> float:
-    """Median wall time of ``fn`` in microseconds, by CUDA events, one event pair per call."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
-    return statistics.median(times)
 
 
 def make_set(total: int) -> BufferSet:

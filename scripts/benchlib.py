@@ -1,5 +1,6 @@
-"""What the benchmark scripts share: timing by wall clock around a synchronised call, and the
-provenance every result file records (GPU, torch, Python, commit)."""
+"""What the benchmark scripts share: the two timers (CUDA events per call for copies measured
+in microseconds, wall clock around a synchronised call for whole steps) and the provenance every
+result file records (GPU, torch, Python, commit)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,22 @@ import time
 from collections.abc import Callable
 
 import torch
+
+
+def cuda_time(fn: Callable[[], object], reps: int, warmup: int = 3) -> float:
+    """Median wall time of ``fn`` in microseconds, by CUDA events, one event pair per call."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3)
+    return statistics.median(times)
 
 
 def wall_ms(fn: Callable[[], object], reps: int, warmup: int = 3) -> float:
