@@ -1,9 +1,43 @@
-"""Memory-bound GPU kernels (Triton), each beside the torch reference it must match.
+"""Memory-bound GPU kernels (Triton), each in a small module beside the torch reference it must match.
 
-Each public function picks its Triton kernel on CUDA when Triton is installed and its torch
-reference everywhere else, so the same call runs on the CPU (CI) and the GPU.
+Every public function takes its Triton kernel on CUDA (when Triton is installed and no autograd
+graph runs through it) and its torch reference everywhere else, so one call site runs on the
+CPU (CI), in training, and inside a captured CUDA graph. :func:`reference_only` forces the
+references (before/after measurements in one process).
+
+===============================  ========================================================================
+module                           kernels
+===============================  ========================================================================
+``kernels.norm``                 residual add + RMSNorm
+``kernels.activation``           gated-MLP activation ``gelu_tanh(gate) * up``
+``kernels.rotary``               QKV split + rotary embedding, keys/values written into cache views
+``kernels.grouped_attention``    grouped-query attention over [context; own] without concatenation
+``kernels.flow``                 folded time embedding, and final norm + output projection + Euler update
+``kernels.rng``                  per-slot counter-based Gaussian noise (draw + counter bump)
+``kernels.slot_copy``            masked row copy / gather (restore, autoreset) and row scatter (fork)
+===============================  ========================================================================
 """
 
-from kernels.slot_copy import masked_copy_rows, masked_copy_rows_reference
+from kernels.activation import gelu_mul
+from kernels.backend import reference_only, use_triton
+from kernels.flow import euler_step, time_embed
+from kernels.grouped_attention import attention
+from kernels.norm import add_rms_norm
+from kernels.rng import draw_normal_
+from kernels.rotary import qkv_rope
+from kernels.slot_copy import masked_copy_rows, masked_copy_rows_reference, scatter_rows
 
-__all__ = ["masked_copy_rows", "masked_copy_rows_reference"]
+__all__ = [
+    "add_rms_norm",
+    "attention",
+    "draw_normal_",
+    "euler_step",
+    "gelu_mul",
+    "masked_copy_rows",
+    "masked_copy_rows_reference",
+    "qkv_rope",
+    "reference_only",
+    "scatter_rows",
+    "time_embed",
+    "use_triton",
+]

@@ -15,6 +15,8 @@ import math
 
 import torch
 
+from kernels.backend import next_pow2, tl, triton, use_triton
+
 _M32 = 0xFFFFFFFF
 
 
@@ -54,3 +56,65 @@ def normal(key: torch.Tensor, counter: torch.Tensor, n: int) -> torch.Tensor:
     r = torch.sqrt(-2.0 * torch.log1p(-u1))  # 1 - u1 in (0, 1]: log is finite
     theta = (2.0 * math.pi) * u2
     return torch.cat([r * torch.cos(theta), r * torch.sin(theta)], dim=1)[:, :n]
+
+
+def draw_normal_reference(out: torch.Tensor, key: torch.Tensor, counter: torch.Tensor) -> None:
+    """Torch reference of :func:`draw_normal_`."""
+    out.copy_(normal(key, counter, out.shape[1]))
+    counter.add_(1)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _mix32_tl(x):
+        x = x & 0xFFFFFFFF
+        x = x ^ (x >> 16)
+        x = (x * 0x7FEB352D) & 0xFFFFFFFF
+        x = x ^ (x >> 15)
+        x = (x * 0x846CA68B) & 0xFFFFFFFF
+        return x ^ (x >> 16)
+
+    @triton.jit
+    def _draw_normal_kernel(out, key, counter, n, half, stride, BLOCK: tl.constexpr):
+        s = tl.program_id(0).to(tl.int64)
+        k = tl.load(key + s)
+        c = tl.load(counter + s)
+        stream = _mix32_tl(_mix32_tl(k ^ (k >> 32)) + c * 0x9E3779B1)
+        j = tl.arange(0, BLOCK).to(tl.int64)
+        live = j < half
+        b1 = _mix32_tl(stream ^ _mix32_tl(j * 0x85EBCA6B + 1))
+        b2 = _mix32_tl(stream ^ _mix32_tl((j + half) * 0x85EBCA6B + 1))
+        u1 = (b1 >> 8).to(tl.float32) * (1.0 / 16777216.0)
+        u2 = (b2 >> 8).to(tl.float32) * (1.0 / 16777216.0)
+        r = tl.sqrt(-2.0 * tl.log(1.0 - u1))
+        theta = 6.283185307179586 * u2
+        tl.store(out + s * stride + j, r * tl.cos(theta), mask=live)
+        tl.store(out + s * stride + half + j, r * tl.sin(theta), mask=live & (half + j < n))
+        tl.store(counter + s, c + 1)
+
+
+def draw_normal_triton(out: torch.Tensor, key: torch.Tensor, counter: torch.Tensor) -> None:
+    """The Triton kernel (called by :func:`draw_normal_` on CUDA): one program per slot."""
+    slots, n = out.shape
+    half = (n + 1) // 2
+    if slots and n:
+        _draw_normal_kernel[(slots,)](out, key, counter, n, half, out.stride(0), BLOCK=next_pow2(half))
+
+
+def draw_normal_(out: torch.Tensor, key: torch.Tensor, counter: torch.Tensor) -> None:
+    """``out = normal(key, counter, n)`` and ``counter += 1``, in place (one kernel on CUDA).
+
+    Args:
+        out: ``(slots, n)`` float32 with unit last stride (e.g. a slot buffer's view).
+        key, counter: ``(slots,)`` int64 (the counter is bumped).
+    """
+    if out.dim() != 2 or out.dtype != torch.float32 or key.shape != out.shape[:1] or counter.shape != key.shape:
+        raise ValueError(
+            f"draw_normal_: out (slots, n) float32 with (slots,) key and counter; got {tuple(out.shape)} "
+            f"{out.dtype}, {tuple(key.shape)}, {tuple(counter.shape)}"
+        )
+    if use_triton(out, key, counter) and out.stride(1) == 1:
+        draw_normal_triton(out, key, counter)
+    else:
+        draw_normal_reference(out, key, counter)

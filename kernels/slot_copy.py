@@ -1,4 +1,6 @@
-"""Masked row copy: ``dst[r] = src[r]`` for every row ``r`` with ``mask[r]``.
+"""Row copies over a slot arena: a masked copy/gather (restore, autoreset) and a scatter (fork).
+
+Masked row copy: ``dst[r] = src[r]`` for every row ``r`` with ``mask[r]``.
 
 This is the in-graph restore of selected slots (autoreset, fork): rows are slot rows of a
 :class:`runtime.BufferSet` slot arena, so one call moves every buffer of the chosen slots.
@@ -12,11 +14,7 @@ from __future__ import annotations
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # CPU-only installs: the reference is used
-    triton = None
+from kernels.backend import tl, triton, use_triton
 
 
 def masked_copy_rows_reference(
@@ -41,6 +39,20 @@ if triton is not None:
 
 
 _BLOCK = 1024
+
+
+def masked_copy_rows_triton(
+    dst: torch.Tensor, src: torch.Tensor, mask: torch.Tensor, index: torch.Tensor | None = None
+) -> None:
+    """The Triton kernel (called by :func:`masked_copy_rows` on CUDA; contiguous rows)."""
+    rows, row_len = dst.shape
+    if rows == 0 or row_len == 0:
+        return
+    grid = (rows, triton.cdiv(row_len, _BLOCK))
+    idx = mask if index is None else index  # a placeholder pointer when there is no index
+    _masked_copy_rows_kernel[grid](
+        dst, src, mask.view(torch.uint8), idx, row_len, HAS_INDEX=index is not None, BLOCK=_BLOCK
+    )
 
 
 def masked_copy_rows(
@@ -69,14 +81,65 @@ def masked_copy_rows(
             f"(rows,) index; got dst {tuple(dst.shape)} {dst.dtype}, src {tuple(src.shape)} {src.dtype}, "
             f"mask {tuple(mask.shape)}, index {None if index is None else tuple(index.shape)}"
         )
-    if triton is None or not dst.is_cuda or not (dst.is_contiguous() and src.is_contiguous()):
+    if not use_triton(dst, src, mask) or not (dst.is_contiguous() and src.is_contiguous()):
         masked_copy_rows_reference(dst, src, mask, index)
-        return
-    rows, row_len = dst.shape
-    if rows == 0 or row_len == 0:
-        return
-    grid = (rows, triton.cdiv(row_len, _BLOCK))
-    idx = mask if index is None else index  # a placeholder pointer when there is no index
-    _masked_copy_rows_kernel[grid](
-        dst, src, mask.view(torch.uint8), idx, row_len, HAS_INDEX=index is not None, BLOCK=_BLOCK
-    )
+    else:
+        masked_copy_rows_triton(dst, src, mask, index)
+
+
+def scatter_rows_reference(dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> None:
+    """Torch reference of :func:`scatter_rows`."""
+    if src.untyped_storage().data_ptr() == dst.untyped_storage().data_ptr():
+        src = src.clone()  # a row of dst itself (a fork of a live slot): read it before writing
+    if src.shape[0] == 1:
+        src = src.expand(index.shape[0], -1)
+    dst.index_put_((index,), src)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _scatter_rows_kernel(dst, index, src, row_len, src_stride, BLOCK: tl.constexpr):
+        i = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        inside = cols < row_len
+        values = tl.load(src + i * src_stride + cols, mask=inside)
+        tl.store(dst + tl.load(index + i) * row_len + cols, values, mask=inside)
+
+
+def scatter_rows_triton(dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> None:
+    """The Triton kernel (called by :func:`scatter_rows` on CUDA; contiguous rows)."""
+    k, row_len = index.shape[0], dst.shape[1]
+    if k and row_len:
+        stride = 0 if src.shape[0] == 1 else row_len  # one source row broadcast to every target
+        _scatter_rows_kernel[(k, triton.cdiv(row_len, _BLOCK))](dst, index, src, row_len, stride, BLOCK=_BLOCK)
+
+
+def scatter_rows(dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst[index[i]] = src[i]`` (``src[0]`` for every i when ``src`` has one row); capturable.
+
+    The one-row form is a fork: the source row is broadcast without being materialised. A
+    source row that is also a target is safe only in that form (it is overwritten with itself).
+
+    Args:
+        dst: ``(rows, row_len)`` contiguous, written in place.
+        index: ``(k,)`` int64 distinct target rows.
+        src: ``(k, row_len)`` or ``(1, row_len)`` contiguous, same dtype and device.
+    """
+    if (
+        dst.dim() != 2
+        or src.dim() != 2
+        or src.shape[1] != dst.shape[1]
+        or src.dtype != dst.dtype
+        or index.dim() != 1
+        or src.shape[0] not in (1, index.shape[0])
+    ):
+        raise ValueError(
+            "scatter_rows needs 2-D dst and src of one row length and dtype and a (k,) index with k or 1 source "
+            f"rows; got dst {tuple(dst.shape)} {dst.dtype}, src {tuple(src.shape)} {src.dtype}, "
+            f"index {tuple(index.shape)}"
+        )
+    if use_triton(dst, index, src) and dst.is_contiguous() and src.is_contiguous():
+        scatter_rows_triton(dst, index, src)
+    else:
+        scatter_rows_reference(dst, index, src)

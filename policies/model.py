@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import add_rms_norm, attention, euler_step, gelu_mul, qkv_rope, time_embed
 from policies.config import PolicyConfig
 
 
@@ -34,34 +35,47 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
+    def forward(self, x: torch.Tensor, delta: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(x + delta, norm(x + delta))`` (one fused kernel on CUDA)."""
+        return add_rms_norm(x, delta, self.weight, self.eps)
 
 
-def rope_tables(
-    pos: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin (N, 1, T, d/2) for integer positions (N, T)."""
-    inv = theta ** (-torch.arange(0, head_dim, 2, device=pos.device, dtype=torch.float32) / head_dim)
-    ang = pos.float()[:, None, :, None] * inv
-    return ang.cos().to(dtype), ang.sin().to(dtype)
+class Folded:
+    """Tensors derived from weights once, refreshed in place when the weights change.
 
+    A captured graph reads these tensors by address, so they are rewritten in place (never
+    reallocated) when their source parameters change (an optimizer step or a load bumps
+    ``Tensor._version``); move or convert the model and they are rebuilt.
+    """
 
-def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate (N, heads, T, d) by the tables (rotate-half convention)."""
-    a, b = x.chunk(2, dim=-1)
-    return torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1)
+    def __init__(self, fn, *params: nn.Parameter) -> None:
+        self.fn, self.params = fn, params
+        self.key: tuple | None = None
+        self.value: tuple[torch.Tensor, ...] = ()
 
-
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None) -> torch.Tensor:
-    """(N, h, Tq, d) queries over (N, g, Tk, d) keys/values; key_mask (N, Tk) bool or None."""
-    mask = None if key_mask is None else key_mask[:, None, None, :]
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+    @torch.no_grad()
+    def get(self) -> tuple[torch.Tensor, ...]:
+        key = tuple((p.data_ptr(), p._version, p.dtype) for p in self.params)
+        if key != self.key:
+            new = self.fn()
+            if self.value and all(
+                a.shape == b.shape and a.device == b.device for a, b in zip(self.value, new, strict=True)
+            ):
+                for a, b in zip(self.value, new, strict=True):
+                    a.copy_(b)
+            else:
+                self.value = new
+            self.key = key
+        return self.value
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm layer: GQA self/cross attention with rotary embeddings, gated (GeGLU) MLP."""
+    """Pre-norm layer: GQA self/cross attention with rotary embeddings, gated (GeGLU) MLP.
+
+    Per layer on CUDA: norm, fused q/k/v projection, QKV split + rotary (keys/values written
+    into the caller's cache view), attention over [context; own], output projection, residual
+    add + norm, gate/up projection, activation, down projection with the residual add.
+    """
 
     def __init__(self, width: int, heads: int, kv_heads: int, head_dim: int, mlp: int) -> None:
         super().__init__()
@@ -72,32 +86,35 @@ class DecoderLayer(nn.Module):
         self.o = nn.Linear(heads * head_dim, width, bias=False)
         self.gate_up = nn.Linear(width, 2 * mlp, bias=False)
         self.down = nn.Linear(mlp, width, bias=False)
+        self._qkv = Folded(lambda: (torch.cat([self.q.weight, self.kv.weight]),), self.q.weight, self.kv.weight)
 
-    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """x (N, T, W) -> q (N, h, T, d), k and v (N, g, T, d), rotated."""
-        n, t, _ = x.shape
-        y = self.norm1(x)
-        q = self.q(y).view(n, t, self.heads, self.head_dim).transpose(1, 2)
-        k, v = self.kv(y).view(n, t, 2, self.kv_heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        return rope(q, cos, sin), rope(k, cos, sin), v
+    def qkv_weight(self) -> torch.Tensor:
+        """[W_q; W_kv]: one projection for queries, keys and values."""
+        if torch.is_grad_enabled() and self.q.weight.requires_grad:
+            return torch.cat([self.q.weight, self.kv.weight])
+        return self._qkv.get()[0]
 
-    def finish(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-        """Residual add of the attention output (N, h, T, d), then the MLP."""
-        x = x + self.o(attn.transpose(1, 2).flatten(2))
-        gate, up = self.gate_up(self.norm2(x)).chunk(2, dim=-1)
-        return x + self.down(F.gelu(gate, approximate="tanh") * up)
-
-    def forward(self, x, cos, sin, ctx_k=None, ctx_v=None, ctx_mask=None, own_mask=None):
-        """Attend to context keys/values (N, g, Tc, d) and to itself; returns (x, k, v)."""
-        q, k, v = self.qkv(x, cos, sin)
-        if ctx_k is None:
-            attn = attend(q, k, v, own_mask)
-        else:
-            own = (
-                torch.ones(k.shape[0], k.shape[2], dtype=torch.bool, device=k.device) if own_mask is None else own_mask
-            )
-            attn = attend(q, torch.cat([ctx_k, k], 2), torch.cat([ctx_v, v], 2), torch.cat([ctx_mask, own], 1))
-        return self.finish(x, attn), k, v
+    def forward(
+        self,
+        x: torch.Tensor,
+        pos0: torch.Tensor,
+        inv_freq: torch.Tensor,
+        ctx_k: torch.Tensor | None = None,
+        ctx_v: torch.Tensor | None = None,
+        ctx_mask: torch.Tensor | None = None,
+        own_mask: torch.Tensor | None = None,
+        kv_out: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x (N, T, W) at positions ``pos0 + t`` attends to the context keys/values (N, g, Tc, d)
+        with ``ctx_mask`` (N, Tc) and to itself (``own_mask`` (N, T)). Returns the new x and its
+        own keys/values (N, g, T, d), written into ``kv_out`` (N, 2, g, T, d) when given."""
+        n, t, w = x.shape
+        _, y = self.norm1(x)
+        q, k, v = qkv_rope(F.linear(y, self.qkv_weight()), pos0, inv_freq, self.heads, self.kv_heads, kv_out)
+        attn = attention(q, k, v, own_mask, ctx_k, ctx_v, ctx_mask).reshape(n, t, -1)
+        x, y = self.norm2(x, F.linear(attn, self.o.weight))
+        act = gelu_mul(F.linear(y, self.gate_up.weight))
+        return torch.addmm(x.view(n * t, w), act.view(n * t, -1), self.down.weight.t()).view(n, t, w), k, v
 
 
 class VisionBlock(nn.Module):
@@ -165,9 +182,10 @@ class FlowPolicy(nn.Module):
         )
         self.expert_norm = RMSNorm(c.expert_width)
         self.action_out = nn.Linear(c.expert_width, c.action_dim)
-        # Euler times t_s = 1 - s/steps and their embeddings are fixed: computed once, not saved.
-        times = 1.0 - torch.arange(c.steps, dtype=torch.float64) / c.steps
-        self.register_buffer("step_time_embed", sincos(times, c.expert_width), persistent=False)
+        inv_freq = c.rope_theta ** (-torch.arange(0, c.head_dim, 2, dtype=torch.float32) / c.head_dim)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)  # (d/2,) rotary frequencies
+        self._flow = Folded(self._fold_flow, *self.action_in.parameters(), *self.time_in.parameters(),
+                            *self.action_out.parameters())  # fmt: skip
         self.apply(self._init)
 
     @staticmethod
@@ -183,25 +201,33 @@ class FlowPolicy(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.action_in.weight.dtype
 
-    def _tables(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return rope_tables(pos, self.cfg.head_dim, self.cfg.rope_theta, self.dtype)
+    def frame_start(self, frame: torch.Tensor) -> torch.Tensor:
+        """(N,) position of the first token of frame ``frame`` (N,): after the instruction, T_B
+        per frame (the action tokens of a chunk sit where the next frame will)."""
+        return self.cfg.max_text_len + frame * self.cfg.frame_tokens
 
-    def frame_positions(self, frame: torch.Tensor, tokens: int) -> torch.Tensor:
-        """(N, tokens) positions of frame ``frame`` (N,): after the instruction, T_B per frame."""
-        base = self.cfg.max_text_len + frame * self.cfg.frame_tokens
-        return base[:, None] + torch.arange(tokens, device=frame.device)
+    def _kv_cache(self, x: torch.Tensor) -> torch.Tensor | None:
+        """(N, S, 2, g, T, d) for the layers of tokens x (N, T, W) to write their keys/values
+        into; None while recording autograd (in-place writes would clobber saved tensors)."""
+        if torch.is_grad_enabled():
+            return None
+        c = self.cfg
+        return x.new_empty((x.shape[0], c.depth, 2, c.kv_heads, x.shape[1], c.head_dim))
+
+    @staticmethod
+    def _stack(kv: torch.Tensor | None, kvs: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        return kv if kv is not None else torch.stack([torch.stack(p, 1) for p in kvs], 1)
 
     # -- block A -------------------------------------------------------------------------------
     def encode_text(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """ids, mask (N, L) -> instruction keys/values (N, S, 2, g, L, d)."""
-        n, length = ids.shape
         x = self.text_embed(ids).to(self.dtype) * math.sqrt(self.cfg.width)
-        cos, sin = self._tables(torch.arange(length, device=ids.device).expand(n, length))
-        kvs = []
-        for layer in self.prefix:
-            x, k, v = layer(x, cos, sin, own_mask=mask)
-            kvs.append(torch.stack([k, v], 1))
-        return torch.stack(kvs, 1)
+        pos0 = torch.zeros(ids.shape[0], dtype=torch.int64, device=ids.device)
+        kv, kvs = self._kv_cache(x), []
+        for i, layer in enumerate(self.prefix):
+            x, k, v = layer(x, pos0, self.inv_freq, own_mask=mask, kv_out=None if kv is None else kv[:, i])
+            kvs.append((k, v))
+        return self._stack(kv, kvs)
 
     # -- block B -------------------------------------------------------------------------------
     def embed_frame(self, image: torch.Tensor, proprio: torch.Tensor) -> torch.Tensor:
@@ -227,43 +253,64 @@ class FlowPolicy(nn.Module):
         """The newest frame over its context (instruction + ring, (N, S, 2, g, Tc, d) with mask
         (N, Tc)) -> its keys/values (N, S, 2, g, T_B, d) and pooled features (N, D)."""
         x = self.embed_frame(image, proprio)
-        cos, sin = self._tables(self.frame_positions(frame, x.shape[1]))
-        kvs = []
+        pos0 = self.frame_start(frame)
+        kv, kvs = self._kv_cache(x), []
         for i, layer in enumerate(self.prefix):
-            x, k, v = layer(x, cos, sin, ctx_kv[:, i, 0], ctx_kv[:, i, 1], ctx_mask)
-            kvs.append(torch.stack([k, v], 1))
-        return torch.stack(kvs, 1), self.prefix_norm(x).float().mean(1)
+            out = None if kv is None else kv[:, i]
+            x, k, v = layer(x, pos0, self.inv_freq, ctx_kv[:, i, 0], ctx_kv[:, i, 1], ctx_mask, kv_out=out)
+            kvs.append((k, v))
+        return self._stack(kv, kvs), self.prefix_norm(x)[1].float().mean(1)
 
     # -- action expert -------------------------------------------------------------------------
     def velocity(
         self,
         x: torch.Tensor,
-        step: int | torch.Tensor,
+        t: torch.Tensor,
         prefix_kv: torch.Tensor,
         prefix_mask: torch.Tensor,
         frame: torch.Tensor,
     ) -> torch.Tensor:
-        """v(x_t, t) for noisy actions x (N, H, A) at Euler step ``step`` (an int, or per-slot
-        continuous times t (N,) for training) over the prefix (N, S, 2, g, Tp, d)."""
+        """v(x_t, t) for noisy actions x (N, H, A) at flow times t (N,) over the prefix
+        (N, S, 2, g, Tp, d) with mask (N, Tp): the training form (unfolded, differentiable)."""
         c = self.cfg
         a = self.action_in(x.to(self.dtype))
-        if isinstance(step, int):
-            te = self.step_time_embed[step].to(self.dtype).expand(a.shape[0], a.shape[1], -1)
-        else:
-            te = sincos(step, c.expert_width).to(a.device, self.dtype)[:, None].expand(-1, a.shape[1], -1)
+        te = sincos(t, c.expert_width).to(a.device, self.dtype)[:, None].expand(-1, a.shape[1], -1)
         h = self.time_out(F.silu(self.time_in(torch.cat([a, te], dim=-1))))
-        cos, sin = self._tables(self.frame_positions(frame + 1, c.horizon))
-        for i, layer in enumerate(self.expert):
-            h, _, _ = layer(h, cos, sin, prefix_kv[:, i, 0], prefix_kv[:, i, 1], prefix_mask)
-        return self.action_out(self.expert_norm(h)).float()
+        h = self._expert_layers(h, prefix_kv, prefix_mask, self.frame_start(frame + 1))
+        return self.action_out(self.expert_norm(h)[1]).float()
 
+    def _expert_layers(self, h, prefix_kv, prefix_mask, pos0) -> torch.Tensor:
+        """The expert's layers over the prefix (before its final norm): (N, H, E)."""
+        for i, layer in enumerate(self.expert):
+            h, _, _ = layer(h, pos0, self.inv_freq, prefix_kv[:, i, 0], prefix_kv[:, i, 1], prefix_mask)
+        return h
+
+    def _fold_flow(self) -> tuple[torch.Tensor, ...]:
+        """The Euler loop's folded float32 weights (see :mod:`kernels.flow`): wx (E, A), per-step
+        bias (steps, E), w_out (A, E) and b_out (A,) scaled by -1/steps."""
+        c, e = self.cfg, self.cfg.expert_width
+        w_in, b_in = self.action_in.weight.float(), self.action_in.bias.float()
+        w_t, b_t = self.time_in.weight.float(), self.time_in.bias.float()
+        times = 1.0 - torch.arange(c.steps, dtype=torch.float64, device=w_in.device) / c.steps
+        te = sincos(times, e)  # (steps, E): the Euler times t_s = 1 - s/steps
+        bias = w_t[:, :e] @ b_in + te @ w_t[:, e:].T + b_t
+        scale = -1.0 / c.steps
+        return w_t[:, :e] @ w_in, bias, self.action_out.weight.float() * scale, self.action_out.bias.float() * scale
+
+    @torch.no_grad()
     def sample(
         self, noise: torch.Tensor, prefix_kv: torch.Tensor, prefix_mask: torch.Tensor, frame: torch.Tensor
     ) -> torch.Tensor:
-        """Euler integration from noise (t = 1) to actions (t = 0): (N, H, A) float32."""
-        x = noise.float()
+        """Euler integration from noise (t = 1) to actions (t = 0): (N, H, A) float32.
+
+        Per step: folded time embedding, time_out, the expert's layers, then one kernel for the
+        final norm, output projection and update ``x <- x - v / steps``."""
+        wx, bias, w_out, b_out = self._flow.get()
+        x = noise.float().contiguous()
+        pos0 = self.frame_start(frame + 1)
         for s in range(self.cfg.steps):
-            x = x - self.velocity(x, s, prefix_kv, prefix_mask, frame) / self.cfg.steps
+            h = self._expert_layers(self.time_out(time_embed(x, wx, bias[s], self.dtype)), prefix_kv, prefix_mask, pos0)
+            x = euler_step(x, h, self.expert_norm.weight, w_out, b_out, self.expert_norm.eps)
         return x
 
     # -- training ------------------------------------------------------------------------------

@@ -31,7 +31,7 @@ from collections.abc import Callable
 import torch
 
 import runtime
-from kernels.rng import normal
+from kernels.rng import draw_normal_
 from policies.model import FlowPolicy
 from runtime import BufferSet, BufferSpec, Graph, slot
 
@@ -131,18 +131,21 @@ class PolicyPipeline:
 
     def draw_noise(self) -> None:
         """Base-policy noise from each slot's RNG (reproducible, part of every capsule)."""
-        c = self.cfg
-        z = normal(self["rng_key"], self["rng_counter"], c.horizon * c.action_dim)
-        self["noise"].copy_(z.view(-1, c.horizon, c.action_dim))
-        self["rng_counter"].add_(1)
+        draw_normal_(self["noise"].flatten(1), self["rng_key"], self["rng_counter"])
 
     @torch.no_grad()
     def denoise(self) -> None:
-        """``actions`` from ``noise`` over the current prefix (10 Euler steps, unrolled)."""
-        ctx, ctx_mask = self._ring_context()
-        prefix = torch.cat([ctx, self["kv_obs"]], 4)
-        obs_mask = self["obs_valid"][:, None].expand(-1, self.cfg.frame_tokens)
-        mask = torch.cat([ctx_mask, obs_mask], 1)
+        """``actions`` from ``noise`` over the current prefix (10 Euler steps, unrolled). The
+        prefix (instruction + ring + newest frame) is laid out once per chunk, read by every step."""
+        c = self.cfg
+        obs_mask = self["obs_valid"][:, None].expand(-1, c.frame_tokens)
+        if c.n_obs_steps == 1:
+            prefix = torch.cat([self["kv_text"], self["kv_obs"]], 4)
+            mask = torch.cat([self["text_mask"], obs_mask], 1)
+        else:
+            prefix = torch.cat([self["kv_text"], self["kv_ring"], self["kv_obs"]], 4)
+            ring_mask = self["ring_valid"].repeat_interleave(c.frame_tokens, dim=1)
+            mask = torch.cat([self["text_mask"], ring_mask, obs_mask], 1)
         self["actions"].copy_(self.model.sample(self["noise"], prefix, mask, self["frame"] - 1))
 
     # -- graphs --------------------------------------------------------------------------------

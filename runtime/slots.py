@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.slot_copy import masked_copy_rows
+from kernels.slot_copy import masked_copy_rows, scatter_rows
 
 
 def _words(rows: torch.Tensor) -> torch.Tensor:
@@ -30,9 +30,9 @@ def copy_rows(arena: torch.Tensor, dst_slots: torch.Tensor, rows: torch.Tensor) 
     """
     if rows.shape[0] == 1 or rows.stride(0) == 0:
         rows = rows[:1]
-    if rows.untyped_storage().data_ptr() == arena.untyped_storage().data_ptr():
-        rows = rows.clone()  # a live slot of the same arena (fork): read it before writing
-    _words(arena).index_put_((dst_slots,), _words(rows.contiguous()))
+    elif rows.untyped_storage().data_ptr() == arena.untyped_storage().data_ptr():
+        rows = rows.clone()  # rows of the same arena: read them all before writing
+    scatter_rows(_words(arena), dst_slots, _words(rows.contiguous()))
 
 
 def masked_restore(

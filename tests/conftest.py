@@ -1,7 +1,16 @@
-"""Shared test options: `cuda` tests skip cleanly on machines without a CUDA GPU."""
+"""Shared test options: `cuda` tests skip cleanly on machines without a CUDA GPU.
+
+Without a GPU, Triton kernels run through Triton's CPU interpreter where Triton is installed
+(the variable must be set before Triton is first imported, hence here).
+"""
+
+import os
 
 import pytest
 import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

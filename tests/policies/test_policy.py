@@ -188,3 +188,30 @@ def test_config_validation():
 
     with pytest.raises(ValueError, match="unknown fields"):
         PolicyConfig.from_json('{"vocab": [], "bogus": 1}')
+
+
+def test_folded_euler_loop_equals_the_unfolded_velocity_integration():
+    """sample() runs on weights folded at load time (time embedding into one affine map per
+    step, -1/steps into the output projection); it must integrate the same ODE as velocity()."""
+    torch.manual_seed(0)
+    model = FlowPolicy(config()).eval()
+    with torch.no_grad():
+        for p in model.parameters():  # weights well away from the init, so every fold matters
+            p.add_(0.05 * torch.randn_like(p))
+    c, n = model.cfg, 3
+    prefix = torch.randn(n, c.depth, 2, c.kv_heads, c.prefix_tokens, c.head_dim)
+    mask = torch.rand(n, c.prefix_tokens) < 0.9
+    frame, noise = torch.tensor([0, 3, 7]), torch.randn(n, c.horizon, c.action_dim)
+    with torch.no_grad():
+        x = noise.clone()
+        for s in range(c.steps):
+            t = torch.full((n,), 1.0 - s / c.steps)
+            x = x - model.velocity(x, t, prefix, mask, frame) / c.steps
+        folded = model.sample(noise, prefix, mask, frame)
+        torch.testing.assert_close(folded, x, atol=1e-5, rtol=1e-5)
+        # the folded tensors follow the weights (an in-place load bumps their versions)
+        other = FlowPolicy(config())
+        model.load_state_dict(other.state_dict())
+        torch.testing.assert_close(
+            model.sample(noise, prefix, mask, frame), other.eval().sample(noise, prefix, mask, frame)
+        )

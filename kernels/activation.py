@@ -1,0 +1,58 @@
+"""The gated-MLP activation: ``gelu_tanh(gate) * up`` from the fused gate/up projection.
+
+The projection writes ``(..., 2m)`` with the gate in the first half; the kernel reads both
+halves once and writes ``(..., m)``, where the reference takes a chunk, a GELU and a product
+(three passes over memory).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kernels.backend import tl, triton, use_triton
+
+
+def gelu_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
+    """Torch reference: ``gelu(gate, approximate="tanh") * up``."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
+if triton is not None:
+
+    @triton.jit
+    def _gelu_mul_kernel(gate_up, out, m, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        inside = cols < m
+        g = tl.load(gate_up + row * 2 * m + cols, mask=inside, other=0.0)
+        u = tl.load(gate_up + row * 2 * m + m + cols, mask=inside, other=0.0).to(tl.float32)
+        gf = g.to(tl.float32)
+        z = 0.7978845608028654 * (gf + 0.044715 * gf * gf * gf)
+        tanh = 1.0 - 2.0 / (tl.exp(2.0 * z) + 1.0)
+        act = (0.5 * gf * (1.0 + tanh)).to(g.dtype).to(tl.float32)
+        tl.store(out + row * m + cols, (act * u).to(g.dtype), mask=inside)
+
+
+_BLOCK = 1024
+
+
+def gelu_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
+    """The Triton kernel (called by :func:`gelu_mul` on CUDA)."""
+    m = gate_up.shape[-1] // 2
+    gate_up = gate_up.contiguous()
+    out = gate_up.new_empty((*gate_up.shape[:-1], m))
+    rows = gate_up.numel() // (2 * m) if m else 0
+    if rows:
+        _gelu_mul_kernel[(rows, triton.cdiv(m, _BLOCK))](gate_up, out, m, BLOCK=_BLOCK)
+    return out
+
+
+def gelu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``gelu_tanh(gate) * up`` for ``gate_up (..., 2m)`` (gate first) -> ``(..., m)``."""
+    if gate_up.shape[-1] % 2:
+        raise ValueError(f"gelu_mul needs an even last dimension (gate and up halves), got {gate_up.shape[-1]}")
+    if use_triton(gate_up):
+        return gelu_mul_triton(gate_up)
+    return gelu_mul_reference(gate_up)

@@ -1,0 +1,135 @@
+"""The flow-matching step around the action expert, on weights folded at load time.
+
+At Euler step ``s`` the expert's input is ``time_in([action_in(x); te_s])``: linear in ``x`` with
+a per-step constant, so it folds to ``x @ wx.T + bias[s]`` (``wx = W_ta W_in``,
+``bias[s] = W_ta b_in + W_tt te_s + b_t``); the update ``x - action_out(norm(h)) / steps`` folds
+the ``-1/steps`` into the output projection. Two kernels per step remain:
+
+- :func:`time_embed`: ``silu(x @ wx.T + bias)`` -> the expert's input, ``(N, H, E)``;
+- :func:`euler_step`: ``x + rms_norm(h) @ w_out.T + b_out`` -> the next ``x``, ``(N, H, A)``.
+
+Folded weights are float32 (computed once per weights by the model); ``x`` stays float32.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kernels.backend import next_pow2, tl, triton, use_triton
+from kernels.norm import add_rms_norm_reference
+
+
+def time_embed_reference(x: torch.Tensor, wx: torch.Tensor, bias: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Torch reference of :func:`time_embed`."""
+    return F.silu(x.float() @ wx.T + bias).to(dtype)
+
+
+def euler_step_reference(
+    x: torch.Tensor, h: torch.Tensor, norm_w: torch.Tensor, w_out: torch.Tensor, b_out: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """Torch reference of :func:`euler_step`."""
+    y = add_rms_norm_reference(h, None, norm_w, eps)[1]
+    return x + y.float() @ w_out.T + b_out
+
+
+if triton is not None:
+
+    @triton.jit
+    def _time_embed_kernel(x, wx, bias, out, E, A: tl.constexpr, A_PAD: tl.constexpr, BE: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        e = tl.program_id(1) * BE + tl.arange(0, BE)
+        a = tl.arange(0, A_PAD)
+        xe = tl.load(x + row * A + a, mask=a < A, other=0.0)
+        w = tl.load(wx + e[:, None] * A + a[None, :], mask=(e[:, None] < E) & (a[None, :] < A), other=0.0)
+        z = tl.sum(w * xe[None, :], axis=1) + tl.load(bias + e, mask=e < E, other=0.0)
+        tl.store(out + row * E + e, (z / (1.0 + tl.exp(-z))).to(out.dtype.element_ty), mask=e < E)
+
+    @triton.jit
+    def _euler_step_kernel(
+        x, h, norm_w, w_out, b_out, x_out, E, eps, A: tl.constexpr, A_PAD: tl.constexpr, BE: tl.constexpr
+    ):
+        row = tl.program_id(0).to(tl.int64)
+        a = tl.arange(0, A_PAD)
+        ssq = tl.zeros((BE,), dtype=tl.float32)
+        for start in range(0, E, BE):
+            e = start + tl.arange(0, BE)
+            hv = tl.load(h + row * E + e, mask=e < E, other=0.0).to(tl.float32)
+            ssq += hv * hv
+        r = 1.0 / tl.sqrt(tl.sum(ssq, axis=0) / E + eps)
+        acc = tl.zeros((A_PAD,), dtype=tl.float32)
+        for start in range(0, E, BE):
+            e = start + tl.arange(0, BE)
+            hv = tl.load(h + row * E + e, mask=e < E, other=0.0)
+            nw = tl.load(norm_w + e, mask=e < E, other=0.0).to(tl.float32)
+            y = ((hv.to(tl.float32) * r).to(hv.dtype).to(tl.float32) * nw).to(hv.dtype).to(tl.float32)
+            w = tl.load(w_out + a[:, None] * E + e[None, :], mask=(a[:, None] < A) & (e[None, :] < E), other=0.0)
+            acc += tl.sum(w * y[None, :], axis=1)
+        xa = tl.load(x + row * A + a, mask=a < A, other=0.0)
+        tl.store(x_out + row * A + a, xa + acc + tl.load(b_out + a, mask=a < A, other=0.0), mask=a < A)
+
+
+def time_embed_triton(x: torch.Tensor, wx: torch.Tensor, bias: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The Triton kernel (called by :func:`time_embed` on CUDA)."""
+    e, a = wx.shape
+    out = torch.empty((*x.shape[:-1], e), dtype=dtype, device=x.device)
+    rows = x.numel() // a
+    be = min(128, next_pow2(e))
+    if rows:
+        _time_embed_kernel[(rows, triton.cdiv(e, be))](
+            x.contiguous(), wx.contiguous(), bias, out, e, A=a, A_PAD=next_pow2(a), BE=be
+        )
+    return out
+
+
+def euler_step_triton(x, h, norm_w, w_out, b_out, eps):
+    """The Triton kernel (called by :func:`euler_step` on CUDA)."""
+    a, e = w_out.shape
+    out = torch.empty_like(x)
+    rows = x.numel() // a
+    a_pad = next_pow2(a)
+    if rows:
+        _euler_step_kernel[(rows,)](
+            x.contiguous(), h.contiguous(), norm_w, w_out.contiguous(), b_out, out, e, eps,
+            A=a, A_PAD=a_pad, BE=min(next_pow2(e), max(64, 4096 // a_pad)),
+        )  # fmt: skip
+    return out
+
+
+def time_embed(x: torch.Tensor, wx: torch.Tensor, bias: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``silu(x @ wx.T + bias)`` in ``dtype``: x ``(..., A)`` float32, wx ``(E, A)``, bias ``(E,)``
+    float32 -> ``(..., E)``."""
+    if x.dtype != torch.float32 or wx.shape[1:] != x.shape[-1:] or bias.shape != wx.shape[:1]:
+        raise ValueError(
+            f"time_embed: x (..., A) float32, wx (E, A), bias (E,); got {tuple(x.shape)} {x.dtype}, "
+            f"{tuple(wx.shape)}, {tuple(bias.shape)}"
+        )
+    if use_triton(x, wx, bias):
+        return time_embed_triton(x, wx, bias, dtype)
+    return time_embed_reference(x, wx, bias, dtype)
+
+
+def euler_step(
+    x: torch.Tensor,
+    h: torch.Tensor,
+    norm_w: torch.Tensor,
+    w_out: torch.Tensor,
+    b_out: torch.Tensor,
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """One folded Euler update ``x + rms_norm(h) * norm_w @ w_out.T + b_out`` (a new tensor).
+
+    Args:
+        x: ``(..., A)`` float32 actions at the current time.
+        h: ``(..., E)`` the expert's last hidden state; norm_w ``(E,)`` its final norm's weight.
+        w_out, b_out: ``(A, E)`` / ``(A,)`` float32, the output projection times ``-1/steps``.
+    """
+    a, e = w_out.shape
+    if x.dtype != torch.float32 or x.shape[-1] != a or h.shape[:-1] != x.shape[:-1] or h.shape[-1] != e:
+        raise ValueError(
+            f"euler_step: x (..., {a}) float32 and h (..., {e}) of one batch shape; got {tuple(x.shape)} "
+            f"{x.dtype}, {tuple(h.shape)}"
+        )
+    if use_triton(x, h, norm_w, w_out, b_out):
+        return euler_step_triton(x, h, norm_w, w_out, b_out, eps)
+    return euler_step_reference(x, h, norm_w, w_out, b_out, eps)

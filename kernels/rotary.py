@@ -1,0 +1,136 @@
+"""QKV split + rotary embedding: one pass from the fused q/k/v projection to rotated heads.
+
+The projection writes ``(N, T, (h + 2g) d)``: h query heads, then g key heads, then g value
+heads. The kernel computes each token's angles from its position (``pos0[n] + t`` times the
+inverse frequencies), rotates queries and keys (rotate-half convention) and writes queries as
+``(N, h, T, d)`` and keys/values straight into a caller-given ``(N, 2, g, T, d)`` view, e.g. one
+layer of a key/value cache, so no table, split, concatenation or cache copy runs apart from it.
+Rounding follows the reference: tables rounded to the input dtype, each product and the sum
+rounded as bf16 torch arithmetic does.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.backend import tl, triton, use_triton
+
+
+def rope_angles(pos: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin ``(N, 1, T, d/2)`` in ``dtype`` for integer positions ``pos (N, T)``."""
+    ang = pos.float()[:, None, :, None] * inv_freq
+    return ang.cos().to(dtype), ang.sin().to(dtype)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``(N, heads, T, d)`` by the tables (rotate-half convention)."""
+    a, b = x.chunk(2, dim=-1)
+    return torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1)
+
+
+def _kv_out(qkv: torch.Tensor, heads: int, kv_heads: int, kv_out: torch.Tensor | None) -> torch.Tensor:
+    n, t, width = qkv.shape
+    d = width // (heads + 2 * kv_heads)
+    if width != (heads + 2 * kv_heads) * d or d % 2:
+        raise ValueError(f"qkv_rope: last dim {width} is not (heads + 2 kv_heads) * an even head dim")
+    if kv_out is None:
+        return qkv.new_empty((n, 2, kv_heads, t, d))
+    if kv_out.shape != (n, 2, kv_heads, t, d) or kv_out.dtype != qkv.dtype:
+        raise ValueError(f"qkv_rope: kv_out must be ({n}, 2, {kv_heads}, {t}, {d}) {qkv.dtype}, got {kv_out.shape}")
+    return kv_out
+
+
+def qkv_rope_reference(qkv, pos0, inv_freq, heads, kv_heads, kv_out=None):
+    """Torch reference of :func:`qkv_rope`."""
+    n, t, _ = qkv.shape
+    kv_out = _kv_out(qkv, heads, kv_heads, kv_out)
+    x = qkv.view(n, t, heads + 2 * kv_heads, -1).transpose(1, 2)
+    cos, sin = rope_angles(pos0[:, None] + torch.arange(t, device=qkv.device), inv_freq, qkv.dtype)
+    q = rotate(x[:, :heads], cos, sin)
+    kv_out[:, 0].copy_(rotate(x[:, heads : heads + kv_heads], cos, sin))
+    kv_out[:, 1].copy_(x[:, heads + kv_heads :])
+    return q, kv_out[:, 0], kv_out[:, 1]
+
+
+if triton is not None:
+
+    @triton.jit
+    def _qkv_rope_kernel(
+        qkv, pos0, inv_freq, q_out, k_out, v_out,
+        T, HEADS, KV_HEADS,
+        sk_n, sk_g, sk_t, sv_n, sv_g, sv_t,
+        HALF: tl.constexpr,
+    ):  # fmt: skip
+        row = tl.program_id(0).to(tl.int64)  # n * T + t
+        j = tl.program_id(1)  # head among h + 2g
+        n = row // T
+        t = row % T
+        cols = tl.arange(0, HALF)
+        src = qkv + row * (HEADS + 2 * KV_HEADS) * 2 * HALF + j * 2 * HALF + cols
+        a = tl.load(src)
+        b = tl.load(src + HALF)
+        if j < HEADS + KV_HEADS:
+            ang = (tl.load(pos0 + n) + t).to(tl.float32) * tl.load(inv_freq + cols)
+            c = tl.cos(ang).to(a.dtype).to(tl.float32)
+            s = tl.sin(ang).to(a.dtype).to(tl.float32)
+            af, bf = a.to(tl.float32), b.to(tl.float32)
+            ra = ((af * c).to(a.dtype).to(tl.float32) - (bf * s).to(a.dtype).to(tl.float32)).to(a.dtype)
+            rb = ((bf * c).to(a.dtype).to(tl.float32) + (af * s).to(a.dtype).to(tl.float32)).to(a.dtype)
+            if j < HEADS:
+                dst = q_out + ((n * HEADS + j) * T + t) * 2 * HALF + cols
+            else:
+                dst = k_out + n * sk_n + (j - HEADS) * sk_g + t * sk_t + cols
+            tl.store(dst, ra)
+            tl.store(dst + HALF, rb)
+        else:
+            dst = v_out + n * sv_n + (j - HEADS - KV_HEADS) * sv_g + t * sv_t + cols
+            tl.store(dst, a)
+            tl.store(dst + HALF, b)
+
+
+def qkv_rope_triton(qkv, pos0, inv_freq, heads, kv_heads, kv_out=None):
+    """The Triton kernel (called by :func:`qkv_rope` on CUDA)."""
+    n, t, _ = qkv.shape
+    kv_out = _kv_out(qkv, heads, kv_heads, kv_out)
+    d = kv_out.shape[-1]
+    if d & (d - 1) or kv_out.stride(-1) != 1:
+        return qkv_rope_reference(qkv, pos0, inv_freq, heads, kv_heads, kv_out)
+    k_out, v_out = kv_out[:, 0], kv_out[:, 1]
+    q = qkv.new_empty((n, heads, t, d))
+    if n * t:
+        _qkv_rope_kernel[(n * t, heads + 2 * kv_heads)](
+            qkv.contiguous(), pos0, inv_freq, q, k_out, v_out,
+            t, heads, kv_heads,
+            k_out.stride(0), k_out.stride(1), k_out.stride(2), v_out.stride(0), v_out.stride(1), v_out.stride(2),
+            HALF=d // 2, num_warps=1 if d <= 128 else 2,
+        )  # fmt: skip
+    return q, k_out, v_out
+
+
+def qkv_rope(
+    qkv: torch.Tensor,
+    pos0: torch.Tensor,
+    inv_freq: torch.Tensor,
+    heads: int,
+    kv_heads: int,
+    kv_out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Split ``qkv (N, T, (h + 2g) d)`` into heads and rotate queries and keys.
+
+    Args:
+        qkv: the fused projection output.
+        pos0: ``(N,)`` int64 position of each slot's token 0 (token t sits at ``pos0 + t``).
+        inv_freq: ``(d/2,)`` float32 inverse frequencies.
+        heads, kv_heads: query and key/value head counts.
+        kv_out: optional ``(N, 2, g, T, d)`` destination of keys and values (a view with unit
+            last stride, e.g. one layer of a cache).
+
+    Returns:
+        q ``(N, h, T, d)``, and k, v ``(N, g, T, d)`` (views of ``kv_out`` when given).
+    """
+    if pos0.shape != qkv.shape[:1] or pos0.dtype != torch.int64:
+        raise ValueError(f"qkv_rope: pos0 must be ({qkv.shape[0]},) int64, got {tuple(pos0.shape)} {pos0.dtype}")
+    outs = [] if kv_out is None else [kv_out]
+    if use_triton(qkv, pos0, inv_freq, *outs):
+        return qkv_rope_triton(qkv, pos0, inv_freq, heads, kv_heads, kv_out)
+    return qkv_rope_reference(qkv, pos0, inv_freq, heads, kv_heads, kv_out)

@@ -1,0 +1,28 @@
+"""Where a Triton kernel can be checked against its reference: the GPU, or the CPU interpreter."""
+
+import os
+
+import pytest
+import torch
+
+from kernels.backend import triton
+
+DEVICES = [
+    pytest.param("cuda", marks=pytest.mark.cuda),
+    pytest.param(
+        "cpu",
+        marks=pytest.mark.skipif(
+            triton is None or os.environ.get("TRITON_INTERPRET") != "1", reason="needs Triton's CPU interpreter"
+        ),
+    ),
+]
+
+
+def poison_allocator(device: str) -> None:
+    """Fill the CUDA caching allocator's free blocks with NaN, so that an output element a kernel
+    never writes reads back as NaN (freshly allocated CPU memory is left as the OS gives it)."""
+    if device != "cuda":
+        return
+    big = torch.full((32 << 20,), float("nan"), device=device)  # large-block pool
+    small = [torch.full((1 << 18,), float("nan"), device=device) for _ in range(16)]  # small-block pool
+    del big, small

@@ -1,0 +1,138 @@
+"""Each fused Triton kernel against its torch reference, on fresh random inputs.
+
+On a GPU in bf16 (the run-time dtype) and float32; on the CPU through Triton's interpreter in
+float32 (the interpreter has no bf16 matrix product). Outputs the kernel allocates come from
+allocator blocks poisoned with NaN; outputs written into given views are pre-filled with NaN.
+"""
+
+import pytest
+import torch
+
+from kernels.activation import gelu_mul_reference, gelu_mul_triton
+from kernels.flow import euler_step_reference, euler_step_triton, time_embed_reference, time_embed_triton
+from kernels.grouped_attention import attention_reference, attention_triton
+from kernels.norm import add_rms_norm_reference, add_rms_norm_triton
+from kernels.rng import draw_normal_reference, draw_normal_triton
+from kernels.rotary import qkv_rope_reference, qkv_rope_triton
+from tests.kernels.kernel_devices import DEVICES, poison_allocator
+
+
+def dtypes(device: str) -> list[torch.dtype]:
+    return [torch.bfloat16, torch.float32] if device == "cuda" else [torch.float32]
+
+
+def close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> None:
+    tol = (2e-2 if dtype == torch.bfloat16 else 1e-4) * scale
+    assert not got.isnan().any(), "the kernel left elements unwritten"
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("width", [192, 256, 1000])
+def test_add_rms_norm(device, width):
+    g = torch.Generator(device=device).manual_seed(width)
+    for dtype in dtypes(device):
+        x = torch.randn(3, 7, width, device=device, generator=g).to(dtype)
+        delta = torch.randn(3, 7, width, device=device, generator=g).to(dtype)
+        w = (1 + 0.1 * torch.randn(width, device=device, generator=g)).to(dtype)
+        for d in (None, delta):
+            poison_allocator(device)
+            h, y = add_rms_norm_triton(x, d, w, 1e-6)
+            h_ref, y_ref = add_rms_norm_reference(x, d, w, 1e-6)
+            assert torch.equal(h, h_ref)  # the residual sum is rounded exactly as torch does
+            close(y, y_ref, dtype)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("m", [768, 1500])
+def test_gelu_mul(device, m):
+    g = torch.Generator(device=device).manual_seed(m)
+    for dtype in dtypes(device):
+        gate_up = (2 * torch.randn(5, 3, 2 * m, device=device, generator=g)).to(dtype)
+        poison_allocator(device)
+        close(gelu_mul_triton(gate_up), gelu_mul_reference(gate_up), dtype)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(("heads", "kv_heads", "d"), [(4, 1, 64), (8, 2, 32)])
+def test_qkv_rope_writes_rotated_heads_into_a_cache_view(device, heads, kv_heads, d):
+    g = torch.Generator(device=device).manual_seed(heads * d)
+    inv = 10000.0 ** (-torch.arange(0, d, 2, dtype=torch.float32, device=device) / d)
+    n, t = 3, 9
+    for dtype in dtypes(device):
+        qkv = torch.randn(n, t, (heads + 2 * kv_heads) * d, device=device, generator=g).to(dtype)
+        pos0 = torch.randint(0, 500, (n,), device=device, generator=g)
+        cache = torch.full((n, 4, 2, kv_heads, t + 5, d), float("nan"), device=device, dtype=dtype)
+        poison_allocator(device)
+        q, k, v = qkv_rope_triton(qkv, pos0, inv, heads, kv_heads, cache[:, 2, :, :, 5:])
+        q_ref, k_ref, v_ref = qkv_rope_reference(qkv, pos0, inv, heads, kv_heads)
+        close(q, q_ref, dtype, scale=2)
+        close(k, k_ref, dtype, scale=2)
+        assert torch.equal(v, v_ref)
+        assert k.data_ptr() == cache[:, 2, 0, :, 5:].data_ptr()  # written in place, nowhere else
+        assert cache[:, [0, 1, 3]].isnan().all() and cache[..., :5, :].isnan().all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "tq", "tk", "tc", "d"),
+    [
+        (4, 1, 8, 8, 146, 64),
+        (4, 1, 65, 65, 81, 64),
+        (4, 1, 16, 16, 0, 64),
+        (8, 2, 50, 50, 130, 128),
+        (2, 2, 3, 5, 7, 16),
+    ],
+)
+def test_attention_over_context_and_own_keys(device, heads, kv_heads, tq, tk, tc, d):
+    g = torch.Generator(device=device).manual_seed(tq * 1000 + tc)
+    n = 3
+    for dtype in dtypes(device):
+        rnd = lambda *s, dt=dtype: torch.randn(*s, device=device, generator=g).to(dt)  # noqa: E731
+        q = rnd(n, tq, heads, d).transpose(1, 2)  # strided, as the projection lays it out
+        k, v = rnd(n, kv_heads, tk, d), rnd(n, kv_heads, tk, d)
+        own_mask = torch.rand(n, tk, device=device, generator=g) < 0.8
+        own_mask[:, 0] = True
+        for ctx in (False, True) if tc else (False,):
+            ck = rnd(n, 2, kv_heads, tc, d)[:, 0] if ctx else None  # a layer of a (N, 2, g, T, d) cache
+            cv = rnd(n, kv_heads, tc, d) if ctx else None
+            cm = (torch.rand(n, tc, device=device, generator=g) < 0.5) if ctx else None
+            for mask in (None, own_mask):
+                poison_allocator(device)
+                got = attention_triton(q, k, v, mask, ck, cv, cm)
+                f = lambda x: None if x is None else x.float()  # noqa: E731 - reference in float32
+                want = attention_reference(f(q), f(k), f(v), mask, f(ck), f(cv), cm)
+                close(got, want, dtype)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(("a", "e"), [(2, 192), (32, 1024), (7, 100)])
+def test_time_embed_and_euler_step(device, a, e):
+    g = torch.Generator(device=device).manual_seed(a * e)
+    x = torch.randn(4, 8, a, device=device, generator=g)
+    wx, bias = torch.randn(e, a, device=device, generator=g), torch.randn(e, device=device, generator=g)
+    w_out, b_out = 0.05 * torch.randn(a, e, device=device, generator=g), torch.randn(a, device=device, generator=g)
+    for dtype in dtypes(device):
+        poison_allocator(device)
+        close(time_embed_triton(x, wx, bias, dtype), time_embed_reference(x, wx, bias, dtype), dtype)
+        h = torch.randn(4, 8, e, device=device, generator=g).to(dtype)
+        nw = (1 + 0.1 * torch.randn(e, device=device, generator=g)).to(dtype)
+        poison_allocator(device)
+        got = euler_step_triton(x, h, nw, w_out, b_out, 1e-6)
+        close(got, euler_step_reference(x, h, nw, w_out, b_out, 1e-6), torch.float32, scale=10)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("n", [16, 1600, 7])
+def test_draw_normal_into_a_strided_slot_view(device, n):
+    slots = 33
+    key = torch.arange(slots, device=device) * 2654435761 + 1 - 2**40  # negative keys too
+    counter = torch.randint(0, 1000, (slots,), device=device)
+    arena = torch.full((slots, n + 3), float("nan"), device=device)
+    got_counter, want_counter = counter.clone(), counter.clone()
+    draw_normal_triton(arena[:, 1 : n + 1], key, got_counter)
+    want = torch.empty(slots, n, device=device)
+    draw_normal_reference(want, key, want_counter)
+    torch.testing.assert_close(arena[:, 1 : n + 1], want, atol=2e-5, rtol=2e-5)
+    assert arena[:, 0].isnan().all() and arena[:, n + 1 :].isnan().all()
+    assert torch.equal(got_counter, want_counter)
