@@ -167,16 +167,22 @@ class FlashRTVectorEnv(VectorEnv):
         }[obs_mode]
         self.action_space = gym.vector.utils.batch_space(self.single_action_space, n)
         self.observation_space = gym.vector.utils.batch_space(self.single_observation_space, n)
+        self._obs_forms = ("state", "features", "rgb") if obs_mode == "dict" else (obs_mode,)
         self._graph = runtime.Graph("env.step", backend=backend).bind("state", self.bufs)
         self._key = (n, action_mode, autoreset)
         self._started = False
 
     # -- the step program (captured) -----------------------------------------------------------
     def _write_obs(self, prefix: str) -> None:
+        """Write the observation forms ``obs_mode`` returns (only those) under ``env.{prefix}_*``."""
         b = self.bufs
-        b[f"env.{prefix}_state"].copy_(self.task.state(b))
-        b[f"env.{prefix}_features"].copy_(torch.cat([b["policy.features"], b["sim.ee"]], dim=1))
-        b[f"env.{prefix}_rgb"].copy_(b["policy.image"][:, 0])
+        if "state" in self._obs_forms:
+            b[f"env.{prefix}_state"].copy_(self.task.state(b))
+        if "features" in self._obs_forms:
+            b[f"env.{prefix}_features"][:, :-2].copy_(b["policy.features"])
+            b[f"env.{prefix}_features"][:, -2:].copy_(b["sim.ee"])
+        if "rgb" in self._obs_forms:
+            b[f"env.{prefix}_rgb"].copy_(b["policy.image"][:, 0])
 
     def _program(self) -> None:
         b, n = self.bufs, self.num_envs
@@ -274,10 +280,10 @@ class FlashRTVectorEnv(VectorEnv):
         if not a.is_floating_point():
             raise ValueError(f"actions must be floating point, got {a.dtype}")
         a = a.to(self.device, torch.float32)
-        if not torch.isfinite(a).all():
-            raise ValueError("actions contain NaN or infinity")
         lo, hi = float(self.single_action_space.low[0]), float(self.single_action_space.high[0])
-        if a.min() < lo - 1e-6 or a.max() > hi + 1e-6:
+        if not ((a >= lo - 1e-6) & (a <= hi + 1e-6)).all():  # one host sync; NaN fails both bounds
+            if not torch.isfinite(a).all():
+                raise ValueError("actions contain NaN or infinity")
             raise ValueError(f"actions must lie in [{lo}, {hi}] (the action space); clip them first")
         return a
 
@@ -320,7 +326,7 @@ class FlashRTVectorEnv(VectorEnv):
 
     def _obs(self, prefix: str, numpy: bool = True):
         b = self.bufs
-        parts = {k: b[f"env.{prefix}_{k}"].clone() for k in ("state", "features", "rgb")}
+        parts = {k: b[f"env.{prefix}_{k}"].clone() for k in self._obs_forms}
         obs = parts if self.obs_mode == "dict" else parts[self.obs_mode]
         return _to_numpy(obs) if numpy else obs
 

@@ -1,7 +1,10 @@
 """FlashRT-VLA env throughput, reset latency and fork time, each beside a baseline of the same run.
 
-- steps (action chunks) per second against num_envs, the captured step graph beside the same
-  env stepped eagerly, and beside ``gymnasium.vector.SyncVectorEnv`` of single envs;
+- steps (action chunks) per second against num_envs: the captured step graph with the fused
+  kernels, the same graph with every kernel's torch reference (the "before"), the env stepped
+  eagerly, and ``gymnasium.vector.SyncVectorEnv`` of single envs; the step program alone
+  (graph replay) beside the same program under ``torch.compile(mode="reduce-overhead")``; and
+  the kernel count of one step (kernels vs references);
 - reset latency: a capsule reset (restore pre-encoded starts) beside the cold path (simulator
   init + render + instruction prefill + encode) as the instruction context grows (random
   weights of the tiny shape with ``max_text_len`` tokens);
@@ -13,16 +16,19 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import tempfile
+import time
 from pathlib import Path
 
 import gymnasium as gym
 import numpy as np
 import torch
-from benchlib import provenance, wall_ms
+from benchlib import count_kernels, provenance, wall_ms
 
+import kernels
 import runtime
 from flashrt_gym import FlashRTEnv, FlashRTVectorEnv
 from flashrt_gym.engine import Engine
@@ -30,19 +36,27 @@ from flashrt_gym.tasks import TabletopConfig
 from policies import FlowPolicy, save, tiny
 
 
-def bench_steps(sizes: list[int], eager_sizes: list[int], sync_envs: int, reps: int) -> list[dict]:
+def bench_steps(
+    sizes: list[int], eager_sizes: list[int], ref_sizes: list[int], sync_envs: int, reps: int
+) -> list[dict]:
     rows = []
     for n in sizes:
         row: dict = {"num_envs": n}
-        for graphs in (True, False):
-            if not graphs and n not in eager_sizes:
+        variants = [("graph", True, False), ("reference_graph", True, True), ("eager", False, False)]
+        for name, graphs, reference in variants:
+            if (name == "eager" and n not in eager_sizes) or (reference and n not in ref_sizes):
                 continue
-            env = FlashRTVectorEnv(n, device="cuda", graphs=graphs, pool_size=max(4 * n, 16))
-            env.reset(seed=0)
-            a = torch.zeros(n, env.single_action_space.shape[0], device="cuda")
-            ms = wall_ms(lambda env=env, a=a: env.step_torch(a), reps)
-            row["graph_ms" if graphs else "eager_ms"] = ms
-            row["graph_steps_per_s" if graphs else "eager_steps_per_s"] = n / ms * 1e3
+            with kernels.reference_only() if reference else contextlib.nullcontext():
+                env = FlashRTVectorEnv(n, device="cuda", graphs=graphs, pool_size=max(4 * n, 16))
+                env.reset(seed=0)
+                a = torch.zeros(n, env.single_action_space.shape[0], device="cuda")
+                env.step_torch(a)  # captures the step graph (with this kernel selection)
+            row[f"{name}_ms"] = wall_ms(lambda env=env, a=a: env.step_torch(a), reps)
+            row[f"{name}_steps_per_s"] = n / row[f"{name}_ms"] * 1e3
+            if graphs and not reference:
+                row["program_graph_ms"] = wall_ms(lambda env=env: env._graph.replay(env._key), reps)
+            del env
+            torch.cuda.empty_cache()
         rows.append(row)
         print("steps", json.dumps(row), flush=True)
     sync = gym.vector.SyncVectorEnv([lambda: FlashRTEnv(device="cuda", pool_size=16) for _ in range(sync_envs)])
@@ -51,6 +65,31 @@ def bench_steps(sizes: list[int], eager_sizes: list[int], sync_envs: int, reps: 
     ms = wall_ms(lambda: sync.step(zeros), max(3, reps // 4))
     rows.append({"num_envs": sync_envs, "sync_vector_env_ms": ms, "sync_steps_per_s": sync_envs / ms * 1e3})
     return rows
+
+
+def bench_nodes_and_compile(n: int, reps: int, do_compile: bool) -> dict:
+    """Kernel count of one env step program (kernels vs references), and the program under
+    ``torch.compile(mode="reduce-overhead")`` (references: Inductor does its own fusion)."""
+    env = FlashRTVectorEnv(n, device="cuda", graphs=False, pool_size=16)
+    env.reset(seed=0)
+    env.bufs["env.action"].zero_()
+    row: dict = {"num_envs": n, "kernels_nodes": count_kernels(env._program)}
+    with kernels.reference_only():
+        row["reference_nodes"] = count_kernels(env._program)
+        if do_compile:
+            fn = torch.compile(env._program, mode="reduce-overhead")
+            t = time.perf_counter()
+            try:
+                for _ in range(3):
+                    fn()
+                torch.cuda.synchronize()
+                row["compile_s"] = time.perf_counter() - t
+                row["compile_program_ms"] = wall_ms(fn, reps)
+            except Exception as e:  # a failed compile is a result too: record it, keep the other rows
+                row["compile_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+            torch._dynamo.reset()
+    print("nodes", json.dumps(row), flush=True)
+    return row
 
 
 def bench_reset(lengths: list[int], reps: int) -> list[dict]:
@@ -94,6 +133,8 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("bench_env.json"))
     ap.add_argument("--sizes", type=int, nargs="+", default=[1, 16, 256, 1024, 4096])
     ap.add_argument("--eager-sizes", type=int, nargs="*", default=[1, 256])
+    ap.add_argument("--reference-sizes", type=int, nargs="*", default=[1, 256, 4096])
+    ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline (minutes)")
     ap.add_argument("--sync-envs", type=int, default=8)
     ap.add_argument("--contexts", type=int, nargs="+", default=[16, 128, 512, 2048])
     ap.add_argument("--forks", type=int, nargs="+", default=[1, 16, 256, 1024])
@@ -103,14 +144,17 @@ def main() -> None:
         raise SystemExit("bench_env.py measures the GPU env: run it on a machine with a CUDA GPU")
     result = {
         **provenance(),
-        "steps": bench_steps(args.sizes, args.eager_sizes, args.sync_envs, args.reps),
+        "steps": bench_steps(args.sizes, args.eager_sizes, args.reference_sizes, args.sync_envs, args.reps),
         "reset": bench_reset(args.contexts, args.reps),
         "fork": bench_fork(args.forks, args.reps),
     }
+    args.out.write_text(json.dumps(result, indent=2))  # written before the (slow) compile baseline too
+    result["nodes"] = bench_nodes_and_compile(1, args.reps, not args.no_compile)
     args.out.write_text(json.dumps(result, indent=2))
     print(f"\n{result['gpu']} | torch {result['torch']} | commit {result['commit']}  (median ms, wall, synchronous)")
     for r in result["steps"]:
         print("  steps", {k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()})
+    print("  nodes", {k: round(v, 3) if isinstance(v, float) else v for k, v in result["nodes"].items()})
     for r in result["reset"]:
         print("  reset", {k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()})
     for r in result["fork"]:

@@ -1,16 +1,20 @@
-"""Policy step latency and throughput: captured graph vs eager vs torch.compile, one run.
+"""Policy step latency and throughput: fused kernels vs torch references, graph vs eager vs torch.compile.
 
 A *policy step* is what an env step asks of the policy: encode the newest observation (vision +
 block B over the instruction and the history ring) and denoise one action chunk (``steps``
-Euler steps of the action expert). For each preset and batch size it measures, on one GPU in
-bf16:
+Euler steps of the action expert). For each preset and batch size, on one GPU in bf16, in one
+run:
 
-- eager: the pipeline's stage functions called directly;
-- graph: the same functions recorded once as a :class:`runtime.Graph` variant and replayed
-  (plus the capture time);
-- compile: a pure-function version of the same step under
-  ``torch.compile(mode="reduce-overhead")`` (plus the compile time), for the batch sizes in
-  ``--compile``.
+- ``graph``: the pipeline's stages recorded once as a :class:`runtime.Graph` variant and replayed,
+  with the fused Triton kernels (``kernels``) and with every kernel's torch reference
+  (``reference``: the "before" of the kernels), each with its node count and capture time;
+- ``eager``: the same stage functions called directly (kernels on);
+- ``compile``: a pure-function version of the same step (references: Inductor fuses them itself)
+  under ``torch.compile(mode="reduce-overhead")``, plus its compile time;
+- floors: bytes the step must move (weights read once for the encode and once per Euler step,
+  the prefix keys/values read per Euler step) over the measured copy bandwidth; its FLOPs (torch's
+  flop counter over the reference step) over the measured bf16 matrix rate; and its kernel count
+  times the measured replay cost of one graph node.
 
     python scripts/bench_policy.py --out bench_policy.json
 """
@@ -18,14 +22,17 @@ bf16:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from benchlib import provenance, wall_ms
+from benchlib import count_kernels, gpu_rates, provenance, wall_ms
+from torch.utils.flop_counter import FlopCounterMode
 
+import kernels
 from flashrt_gym.tasks import TabletopConfig
 from policies import PRESETS, FlowPolicy, PolicyPipeline, policy_specs, tokenizer_for
 from runtime import BufferSet, Graph
@@ -77,7 +84,27 @@ def pure_step(model: FlowPolicy, p: PolicyPipeline) -> Callable[[], torch.Tensor
     return lambda: compiled(*args)
 
 
-def bench(preset: str, n: int, reps: int, do_compile: bool) -> dict:
+def nbytes(module: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in module.parameters())
+
+
+def floors(model: FlowPolicy, p: PolicyPipeline, n: int, step: Callable[[], None], rates: dict) -> dict:
+    """The step's floors (see the module docstring), in ms."""
+    c = model.cfg
+    encode = nbytes(model) - nbytes(model.expert) - sum(nbytes(m) for m in (model.action_in, model.time_in))
+    per_euler = nbytes(model.expert) + n * c.depth * 2 * c.kv_heads * c.prefix_tokens * c.head_dim * 2
+    moved = encode + c.steps * per_euler
+    with kernels.reference_only(), FlopCounterMode(display=False) as fc:
+        step()
+    return {
+        "bytes_MB": moved / 1e6,
+        "GFLOP": fc.get_total_flops() / 1e9,
+        "bytes_floor_ms": moved / (rates["copy_GBps"] * 1e6),
+        "flops_floor_ms": fc.get_total_flops() / (rates["bf16_TFLOPs"] * 1e9),
+    }
+
+
+def bench(preset: str, n: int, reps: int, do_compile: bool, rates: dict) -> dict:
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = FlowPolicy(PRESETS[preset](TabletopConfig().vocabulary)).to(torch.bfloat16)
@@ -89,21 +116,28 @@ def bench(preset: str, n: int, reps: int, do_compile: bool) -> dict:
 
     rec: dict = {"preset": preset, "batch": n, "params_M": sum(x.numel() for x in model.parameters()) / 1e6}
     rec["eager_ms"] = wall_ms(step, reps)
-    g = Graph(f"{preset}-step").bind("state", p.bufs)
-    t = time.perf_counter()
-    g.capture(n, step)
-    torch.cuda.synchronize()
-    rec["capture_s"] = time.perf_counter() - t
-    rec["graph_ms"] = wall_ms(lambda: g.replay(n), reps)
-    rec["graph_chunks_per_s"] = n / rec["graph_ms"] * 1e3
+    for name, mode in (("reference", kernels.reference_only), ("kernels", contextlib.nullcontext)):
+        with mode():
+            rec[f"{name}_nodes"] = count_kernels(step)
+            g = Graph(f"{preset}-step-{name}").bind("state", p.bufs)
+            t = time.perf_counter()
+            g.capture(n, step)
+            torch.cuda.synchronize()
+            rec[f"{name}_capture_s"] = time.perf_counter() - t
+        rec[f"{name}_graph_ms"] = wall_ms(lambda g=g: g.replay(n), reps)
+        del g
+    rec["graph_chunks_per_s"] = n / rec["kernels_graph_ms"] * 1e3
+    rec.update(floors(model, p, n, step, rates))
+    rec["launch_floor_ms"] = rec["kernels_nodes"] * rates["node_us"] / 1e3
     if do_compile:
-        fn = pure_step(model, p)
-        t = time.perf_counter()
-        for _ in range(3):  # compile, record, then a first replay
-            fn()
-        torch.cuda.synchronize()
-        rec["compile_s"] = time.perf_counter() - t
-        rec["compile_ms"] = wall_ms(fn, reps)
+        with kernels.reference_only():
+            fn = pure_step(model, p)
+            t = time.perf_counter()
+            for _ in range(3):  # compile, record, then a first replay
+                fn()
+            torch.cuda.synchronize()
+            rec["compile_s"] = time.perf_counter() - t
+            rec["compile_ms"] = wall_ms(fn, reps)
         torch._dynamo.reset()  # drop the compiled graphs (and their references to this model)
     return rec
 
@@ -119,27 +153,32 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("bench_policy.py measures GPU latency: run it on a machine with a CUDA GPU")
     runs = [("tiny", n) for n in args.tiny_batches] + [("pi0", n) for n in args.pi0_batches]
+    rates = gpu_rates()
+    print("rates", json.dumps(rates), flush=True)
     rows = []
     for preset, n in runs:
-        rows.append(
-            bench(preset, n, args.reps if preset == "tiny" else max(5, args.reps // 5), f"{preset}:{n}" in args.compile)
-        )
+        reps = args.reps if preset == "tiny" else max(5, args.reps // 5)
+        rows.append(bench(preset, n, reps, f"{preset}:{n}" in args.compile, rates))
         torch.cuda.empty_cache()
         print(json.dumps(rows[-1]), flush=True)
-    result = {
-        **provenance(),
-        "dtype": "bfloat16",
-        "rows": rows,
-    }
+    result = {**provenance(), "dtype": "bfloat16", "rates": rates, "rows": rows}
     args.out.write_text(json.dumps(result, indent=2))
     print(f"\n{result['gpu']} | torch {result['torch']} | commit {result['commit']} | bf16 | median ms per step")
-    print("preset | batch |   eager |   graph | compile | capture s | compile s | graph chunks/s")
+    print(
+        f"rates: copy {rates['copy_GBps']:.0f} GB/s, bf16 {rates['bf16_TFLOPs']:.0f} TFLOP/s, "
+        f"{rates['node_us']:.2f} us per graph node"
+    )
+    print(
+        "preset | batch | eager | ref graph (nodes) | kernels graph (nodes) | compile | capture s | "
+        "floor bytes/flops/launch ms | chunks/s"
+    )
     for r in rows:
         comp = f"{r['compile_ms']:7.2f}" if "compile_ms" in r else "      -"
-        comp_s = f"{r['compile_s']:9.1f}" if "compile_s" in r else "        -"
         print(
-            f"{r['preset']:>6} | {r['batch']:5d} | {r['eager_ms']:7.2f} | {r['graph_ms']:7.3f} | {comp} | "
-            f"{r['capture_s']:9.2f} | {comp_s} | {r['graph_chunks_per_s']:14.0f}"
+            f"{r['preset']:>6} | {r['batch']:5d} | {r['eager_ms']:6.1f} | {r['reference_graph_ms']:7.3f} "
+            f"({r['reference_nodes']:5d}) | {r['kernels_graph_ms']:7.3f} ({r['kernels_nodes']:5d}) | {comp} | "
+            f"{r['kernels_capture_s']:5.2f} | {r['bytes_floor_ms']:.3f}/{r['flops_floor_ms']:.3f}/"
+            f"{r['launch_floor_ms']:.3f} | {r['graph_chunks_per_s']:9.0f}"
         )
     print(f"wrote {args.out}")
 

@@ -1,6 +1,7 @@
 """What the benchmark scripts share: the two timers (CUDA events per call for copies measured
-in microseconds, wall clock around a synchronised call for whole steps) and the provenance every
-result file records (GPU, torch, Python, commit)."""
+in microseconds, wall clock around a synchronised call for whole steps), the kernel count of a
+step, the GPU's measured rates that floors are computed from, and the provenance every result
+file records (GPU, torch, Python, commit)."""
 
 from __future__ import annotations
 
@@ -42,6 +43,44 @@ def wall_ms(fn: Callable[[], object], reps: int, warmup: int = 3) -> float:
         torch.cuda.synchronize()
         times.append((time.perf_counter() - t) * 1e3)
     return statistics.median(times)
+
+
+def count_kernels(fn: Callable[[], object]) -> int:
+    """GPU activities (kernels, memcpys, memsets) one eager call of ``fn`` launches: the node
+    count of the graph that records it."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+
+
+def gpu_rates() -> dict[str, float]:
+    """The rates floors are computed from, measured now: device copy bandwidth (GB/s), dense
+    bf16 matrix rate (TFLOP/s), and the replay cost of one node of a captured graph (µs)."""
+    big = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    out = torch.empty_like(big)
+    copy_us = cuda_time(lambda: out.copy_(big), 20)
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    mm_us = cuda_time(lambda: a @ a, 20)
+    x = torch.zeros(1, device="cuda")
+    g = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        x.add_(1)
+    torch.cuda.synchronize()
+    with torch.cuda.graph(g):
+        for _ in range(1000):
+            x.add_(1)
+    node_us = cuda_time(g.replay, 20) / 1000
+    return {
+        "copy_GBps": 2 * (1 << 30) / copy_us / 1e3,  # read + write
+        "bf16_TFLOPs": 2 * 8192**3 / mm_us / 1e6,
+        "node_us": node_us,
+    }
 
 
 def commit() -> str:
