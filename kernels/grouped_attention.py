@@ -6,7 +6,8 @@ and the tokens' own keys/values. The reference concatenates the two and calls
 ``scaled_dot_product_attention`` with a boolean mask (which rules out its fused paths); the
 kernel streams both sources through one online softmax, and since all ``h / g`` query heads of a
 key/value head share its keys, one program serves a whole group (rows = heads x tokens), so
-each key block is read once per group. The output is written as ``(N, Tq, h, d)``: the layout
+each key block is read once per group. Products run on tensor cores in the inputs' dtype (bf16),
+in full float32 for float32 inputs. The output is written as ``(N, Tq, h, d)``: the layout
 the output projection reads. Rows with every key masked out return zeros (SDPA: NaN).
 """
 
@@ -46,7 +47,7 @@ if triton is not None:
     def _source(
         acc, m_i, l_i, qb, k, v, mask, n, kvh, tk,
         sk_n, sk_g, sk_t, sv_n, sv_g, sv_t, sm_n, scale,
-        HAS_MASK: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
+        HAS_MASK: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, PRECISION: tl.constexpr,
     ):  # fmt: skip
         dims = tl.arange(0, D)
         for start in range(0, tk, BN):
@@ -55,7 +56,7 @@ if triton is not None:
             kb = tl.load(
                 k + n * sk_n + kvh * sk_g + cols[:, None] * sk_t + dims[None, :], mask=inside[:, None], other=0.0
             )
-            s = tl.dot(qb, tl.trans(kb)) * scale  # (BM, BN), log2 units
+            s = tl.dot(qb, tl.trans(kb), input_precision=PRECISION) * scale  # (BM, BN), log2 units
             valid = inside
             if HAS_MASK:
                 valid = valid & (tl.load(mask + n * sm_n + cols, mask=inside, other=0) != 0)
@@ -68,7 +69,7 @@ if triton is not None:
             vb = tl.load(
                 v + n * sv_n + kvh * sv_g + cols[:, None] * sv_t + dims[None, :], mask=inside[:, None], other=0.0
             )
-            acc = acc * alpha[:, None] + tl.dot(p.to(vb.dtype), vb)
+            acc = acc * alpha[:, None] + tl.dot(p.to(vb.dtype), vb, input_precision=PRECISION)
             m_i = m_new
         return acc, m_i, l_i
 
@@ -79,7 +80,7 @@ if triton is not None:
         sq_n, sq_h, sq_t, sk_n, sk_g, sk_t, sv_n, sv_g, sv_t, sm_n,
         sck_n, sck_g, sck_t, scv_n, scv_g, scv_t, scm_n,
         HAS_CTX: tl.constexpr, HAS_MASK: tl.constexpr, HAS_CMASK: tl.constexpr,
-        BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
+        BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, PRECISION: tl.constexpr,
     ):  # fmt: skip
         pid_nk = tl.program_id(1)
         n = (pid_nk // (H // G)).to(tl.int64)  # G = h / g query heads per key/value head
@@ -98,11 +99,12 @@ if triton is not None:
         if HAS_CTX:
             acc, m_i, l_i = _source(
                 acc, m_i, l_i, qb, ck, cv, cmask, n, kvh, TC,
-                sck_n, sck_g, sck_t, scv_n, scv_g, scv_t, scm_n, scale, HAS_CMASK, BN, D,
+                sck_n, sck_g, sck_t, scv_n, scv_g, scv_t, scm_n, scale, HAS_CMASK, BN, D, PRECISION,
             )  # fmt: skip
         acc, m_i, l_i = _source(
-            acc, m_i, l_i, qb, k, v, mask, n, kvh, TK, sk_n, sk_g, sk_t, sv_n, sv_g, sv_t, sm_n, scale, HAS_MASK, BN, D
-        )
+            acc, m_i, l_i, qb, k, v, mask, n, kvh, TK, sk_n, sk_g, sk_t, sv_n, sv_g, sv_t, sm_n, scale, HAS_MASK, BN, D,
+            PRECISION,
+        )  # fmt: skip
         o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         dst = out + ((n * TQ + t[:, None]) * H + head[:, None]) * D + dims[None, :]
         tl.store(dst, o.to(out.dtype.element_ty), mask=live[:, None])
@@ -130,7 +132,8 @@ def attention_triton(q, k, v, mask, ctx_k=None, ctx_v=None, ctx_mask=None):
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], 0 if m8 is None else m8.stride(0),
             *ck.stride()[:3], *cv.stride()[:3], 0 if cm8 is None else cm8.stride(0),
             HAS_CTX=has_ctx, HAS_MASK=m8 is not None, HAS_CMASK=cm8 is not None,
-            BM=bm, BN=bn, D=d, num_warps=4 if d <= 128 else 8,
+            BM=bm, BN=bn, D=d, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+            num_warps=4 if d <= 128 else 8,
         )  # fmt: skip
     return out
 

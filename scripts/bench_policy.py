@@ -84,6 +84,23 @@ def pure_step(model: FlowPolicy, p: PolicyPipeline) -> Callable[[], torch.Tensor
     return lambda: compiled(*args)
 
 
+def _sdpa_flops(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
+    """Attention FLOPs of q (N, h, Tq, d) over Tk keys, also when keys have fewer (GQA) heads."""
+    n, h, tq, d = query_shape
+    return 4 * n * h * tq * key_shape[-2] * d
+
+
+SDPA_FLOPS = {
+    getattr(torch.ops.aten, name): _sdpa_flops
+    for name in (
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention",
+    )
+    if hasattr(torch.ops.aten, name)
+}
+
+
 def nbytes(module: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in module.parameters())
 
@@ -94,7 +111,7 @@ def floors(model: FlowPolicy, p: PolicyPipeline, n: int, step: Callable[[], None
     encode = nbytes(model) - nbytes(model.expert) - sum(nbytes(m) for m in (model.action_in, model.time_in))
     per_euler = nbytes(model.expert) + n * c.depth * 2 * c.kv_heads * c.prefix_tokens * c.head_dim * 2
     moved = encode + c.steps * per_euler
-    with kernels.reference_only(), FlopCounterMode(display=False) as fc:
+    with kernels.reference_only(), FlopCounterMode(display=False, custom_mapping=SDPA_FLOPS) as fc:
         step()
     return {
         "bytes_MB": moved / 1e6,
