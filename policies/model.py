@@ -55,6 +55,8 @@ class Folded:
 
     @torch.no_grad()
     def get(self) -> tuple[torch.Tensor, ...]:
+        if torch.compiler.is_compiling():  # traced: fold inside the compiled graph, no cache lookups
+            return self.fn()
         key = tuple((p.data_ptr(), p._version, p.dtype) for p in self.params)
         if key != self.key:
             new = self.fn()
