@@ -18,20 +18,31 @@ import numpy as np
 
 
 def load_runs(folder: Path) -> dict[str, list[dict]]:
+    """Runs by group name. A run stopped before its end (no summary.json) counts with its last
+    evaluation, marked unfinished."""
     groups: dict[str, list[dict]] = defaultdict(list)
-    for summary in sorted(folder.rglob("summary.json")):
-        run = summary.parent
+    for curve_file in sorted(folder.rglob("curve.json")):
+        run = curve_file.parent
+        curve = json.loads(curve_file.read_text())
+        if not curve:
+            continue
         name = re.sub(r"(^|,)seed=\d+", "", run.name).strip(",") or "default"
-        groups[name].append(
-            {"summary": json.loads(summary.read_text()), "curve": json.loads((run / "curve.json").read_text())}
-        )
+        if (run / "summary.json").is_file():
+            summary = json.loads((run / "summary.json").read_text())
+        else:
+            last = curve[-1]
+            summary = {**last, "env_steps_per_s": last["env_steps"] / max(last["wall_s"], 1e-9), "unfinished": True}
+        groups[name].append({"summary": summary, "curve": curve})
     if not groups:
-        raise SystemExit(f"no runs (summary.json) under {folder}; is it a `train.py -m` folder?")
+        raise SystemExit(f"no runs (curve.json) under {folder}; is it a `train.py -m` folder?")
     return groups
 
 
 def table(groups: dict[str, list[dict]]) -> str:
-    rows = ["| runs | seeds | base success | steered success | env steps | env steps/s |", "|---|---|---|---|---|---|"]
+    rows = [
+        "| runs | seeds | base success | steered success | env steps | env steps/s | unfinished |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for name, runs in sorted(groups.items()):
         s = [r["summary"] for r in runs]
 
@@ -41,7 +52,8 @@ def table(groups: dict[str, list[dict]]) -> str:
 
         rows.append(
             f"| {name} | {len(s)} | {ms('base_success', True)} | {ms('success', True)} | "
-            f"{int(np.mean([x['env_steps'] for x in s]))} | {ms('env_steps_per_s')} |"
+            f"{int(np.mean([x['env_steps'] for x in s]))} | {ms('env_steps_per_s')} | "
+            f"{sum(bool(x.get('unfinished')) for x in s)} |"
         )
     return "\n".join(rows)
 
