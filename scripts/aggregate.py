@@ -2,7 +2,8 @@
 
     python scripts/aggregate.py multirun/2026-11-30/12-00-00
 
-Groups runs by their overrides other than ``seed``; writes ``summary.md`` and ``curves.png``
+Groups runs by their folder name without its seed (``...,seed=0`` from a sweep, ``..._seed0``
+from scripts/headline.sh); writes ``summary.md`` and ``curves.png``
 into the folder and prints the table.
 """
 
@@ -26,7 +27,7 @@ def load_runs(folder: Path) -> dict[str, list[dict]]:
         curve = json.loads(curve_file.read_text())
         if not curve:
             continue
-        name = re.sub(r"(^|,)seed=\d+", "", run.name).strip(",") or "default"
+        name = re.sub(r"(^|[,_-])seed=?\d+", "", run.name).strip(",_-") or "default"
         if (run / "summary.json").is_file():
             summary = json.loads((run / "summary.json").read_text())
         else:

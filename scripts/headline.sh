@@ -19,8 +19,8 @@ run() {  # name, overrides...
     "hydra.run.dir='$out/$name'" >"$out/$name.log" 2>&1
   echo "$name exit $?"
 }
-for seed in 0 1 2; do run "noise_sac,seed=$seed" seed=$seed & done
-run "residual_sac,seed=0" env=residual seed=0 &
-run "noise_ppo,seed=0" agent=ppo seed=0 &
+for seed in 0 1 2; do run "noise_sac_seed$seed" seed=$seed & done
+run "residual_sac_seed0" env=residual seed=0 &
+run "noise_ppo_seed0" agent=ppo seed=0 &
 wait
 python scripts/aggregate.py "$out"
