@@ -89,7 +89,7 @@ class Engine:
     # -- programs ------------------------------------------------------------------------------
     def observe(self) -> None:
         """Render every slot into the policy's image input and encode it as the newest frame."""
-        self.bufs["policy.image"][:, 0].copy_(self.task.render(self.bufs))
+        self.task.render(self.bufs, out=self.bufs["policy.image"][:, 0])
         self.bufs["policy.proprio"].copy_(self.task.proprio(self.bufs))
         self.policy.encode_observation()
 
@@ -128,12 +128,7 @@ class Engine:
         actions = b["policy.actions"]
         if residual is not None:
             actions = (actions + residual).clamp(-1.0, 1.0)
-        dense = torch.zeros_like(b["env.reward_dense"])
-        sparse = torch.zeros_like(b["env.reward_sparse"])
-        for i in range(self.n_action_steps):
-            d, s = task.step(b, actions[:, i])
-            dense = dense + d
-            sparse = sparse + s
+        dense, sparse = task.run_ticks(b, actions[:, : self.n_action_steps])
         b["env.reward_dense"].copy_(dense)
         b["env.reward_sparse"].copy_(sparse)
         b["env.steps"].add_(1)

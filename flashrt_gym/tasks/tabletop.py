@@ -27,6 +27,8 @@ from typing import Literal
 
 import torch
 
+from flashrt_gym.tasks.tabletop_kernels import render_triton, ticks_triton
+from kernels import use_triton
 from kernels.rng import uniform
 from runtime import BufferSet, BufferSpec, slot
 
@@ -198,6 +200,9 @@ class Tabletop:
                 "goal_color": torch.tensor(GOAL_COLOR, dtype=torch.float32, device=device),
                 "ee_color": torch.tensor(EE_COLOR, dtype=torch.float32, device=device),
                 "shapes": [SHAPES.index(o.split()[1]) for o in cfg.objects],
+                "shape_codes": torch.tensor(
+                    [SHAPES.index(o.split()[1]) for o in cfg.objects], dtype=torch.int32, device=device
+                ),
             }
         return self._consts[device]
 
@@ -286,6 +291,20 @@ class Tabletop:
         sparse = torch.where(alive & ~success, -1.0, 0.0)
         return dense, sparse
 
+    def run_ticks(self, b: BufferSet, actions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Advance every slot ``T`` ticks under ``actions (slots, T, 2)``; returns the summed
+        (dense, sparse) rewards, each (slots,). One Triton launch on CUDA
+        (:mod:`flashrt_gym.tasks.tabletop_kernels`), :meth:`step` per tick elsewhere."""
+        if use_triton(b["sim.ee"], actions) and actions.stride(-1) == 1:
+            return ticks_triton(self, b, actions)
+        dense = torch.zeros(b.num_slots, device=b.device)
+        sparse = torch.zeros(b.num_slots, device=b.device)
+        for t in range(actions.shape[1]):
+            d, s = self.step(b, actions[:, t])
+            dense = dense + d
+            sparse = sparse + s
+        return dense, sparse
+
     def _distances(self, b: BufferSet) -> tuple[torch.Tensor, torch.Tensor]:
         """Target object to its goal centre, and end-effector to the target's contact ring."""
         target, goal = self.target_and_goal(b)
@@ -295,8 +314,19 @@ class Tabletop:
         return (obj - g).norm(dim=-1), ring.clamp_min(0.0)
 
     # -- observations --------------------------------------------------------------------------
-    def render(self, b: BufferSet) -> torch.Tensor:
-        """(slots, H, W, 3) uint8 top-down image of every slot."""
+    def render(self, b: BufferSet, out: torch.Tensor | None = None) -> torch.Tensor:
+        """(slots, H, W, 3) uint8 top-down image of every slot, written into ``out`` if given
+        (one Triton launch on CUDA, :mod:`flashrt_gym.tasks.tabletop_kernels`)."""
+        size = self.cfg.image_size
+        if out is not None and out.shape != (b.num_slots, size, size, 3):
+            raise ValueError(f"render: out must be ({b.num_slots}, {size}, {size}, 3) uint8, got {tuple(out.shape)}")
+        if out is not None and use_triton(out, b["sim.ee"]) and out[0].is_contiguous() and out.dtype == torch.uint8:
+            render_triton(self, b, out)
+            return out
+        img = self._render_reference(b)
+        return img if out is None else out.copy_(img)
+
+    def _render_reference(self, b: BufferSet) -> torch.Tensor:
         cfg, c = self.cfg, self._c(b.device)
         pix = c["pix"]  # (H, W, 2)
         n = b.num_slots
