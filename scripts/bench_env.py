@@ -26,7 +26,7 @@ from pathlib import Path
 import gymnasium as gym
 import numpy as np
 import torch
-from benchlib import count_kernels, provenance, wall_ms
+from benchlib import count_kernels, provenance, top_kernels, wall_ms
 
 import kernels
 import runtime
@@ -73,7 +73,7 @@ def bench_nodes_and_compile(n: int, reps: int, do_compile: bool) -> dict:
     env = FlashRTVectorEnv(n, device="cuda", graphs=False, pool_size=16)
     env.reset(seed=0)
     env.bufs["env.action"].zero_()
-    row: dict = {"num_envs": n, "kernels_nodes": count_kernels(env._program)}
+    row: dict = {"num_envs": n, "kernels_nodes": count_kernels(env._program), "top_kernels": top_kernels(env._program)}
     with kernels.reference_only():
         row["reference_nodes"] = count_kernels(env._program)
         if do_compile:

@@ -7,14 +7,17 @@ run:
 
 - ``graph``: the pipeline's stages recorded once as a :class:`runtime.Graph` variant and replayed,
   with the fused Triton kernels (``kernels``) and with every kernel's torch reference
-  (``reference``: the "before" of the kernels), each with its node count and capture time;
+  (``reference``: the "before" of the kernels), each with its node count and capture time
+  (after a first eager call, timed apart: with an empty Triton cache it includes compiling
+  the kernels);
 - ``eager``: the same stage functions called directly (kernels on);
 - ``compile``: a pure-function version of the same step (references: Inductor fuses them itself)
   under ``torch.compile(mode="reduce-overhead")``, plus its compile time;
 - floors: bytes the step must move (weights read once for the encode and once per Euler step,
   the prefix keys/values read per Euler step) over the measured copy bandwidth; its FLOPs (torch's
   flop counter over the reference step) over the measured bf16 matrix rate; and its kernel count
-  times the measured replay cost of one graph node.
+  times the measured replay cost of one graph node;
+- where the time goes: the step's kernels by total GPU time (one eager call, kernels on).
 
     python scripts/bench_policy.py --out bench_policy.json
 """
@@ -29,7 +32,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from benchlib import count_kernels, gpu_rates, provenance, wall_ms
+from benchlib import count_kernels, gpu_rates, provenance, top_kernels, wall_ms
 from torch.utils.flop_counter import FlopCounterMode
 
 import kernels
@@ -132,6 +135,10 @@ def bench(preset: str, n: int, reps: int, do_compile: bool, rates: dict) -> dict
         p.denoise()
 
     rec: dict = {"preset": preset, "batch": n, "params_M": sum(x.numel() for x in model.parameters()) / 1e6}
+    t = time.perf_counter()
+    step()  # the first call compiles the Triton kernels it has not seen (cached on disk after)
+    torch.cuda.synchronize()
+    rec["first_call_s"] = time.perf_counter() - t
     rec["eager_ms"] = wall_ms(step, reps)
     for name, mode in (("reference", kernels.reference_only), ("kernels", contextlib.nullcontext)):
         with mode():
@@ -146,6 +153,7 @@ def bench(preset: str, n: int, reps: int, do_compile: bool, rates: dict) -> dict
     rec["graph_chunks_per_s"] = n / rec["kernels_graph_ms"] * 1e3
     rec.update(floors(model, p, n, step, rates))
     rec["launch_floor_ms"] = rec["kernels_nodes"] * rates["node_us"] / 1e3
+    rec["top_kernels"] = top_kernels(step)
     if do_compile:
         with kernels.reference_only():
             fn = pure_step(model, p)
@@ -197,6 +205,10 @@ def main() -> None:
             f"{r['kernels_capture_s']:5.2f} | {r['bytes_floor_ms']:.3f}/{r['flops_floor_ms']:.3f}/"
             f"{r['launch_floor_ms']:.3f} | {r['graph_chunks_per_s']:9.0f}"
         )
+    for r in rows:
+        print(f"top kernels, {r['preset']} batch {r['batch']} (us total, calls):")
+        for k in r["top_kernels"][:6]:
+            print(f"  {k['total_us']:9.1f} {k['calls']:5d}  {k['kernel']}")
     print(f"wrote {args.out}")
 
 

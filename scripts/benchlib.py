@@ -45,9 +45,7 @@ def wall_ms(fn: Callable[[], object], reps: int, warmup: int = 3) -> float:
     return statistics.median(times)
 
 
-def count_kernels(fn: Callable[[], object]) -> int:
-    """GPU activities (kernels, memcpys, memsets) one eager call of ``fn`` launches: the node
-    count of the graph that records it."""
+def _gpu_events(fn: Callable[[], object]) -> list:
     from torch.profiler import ProfilerActivity, profile
 
     fn()
@@ -55,7 +53,24 @@ def count_kernels(fn: Callable[[], object]) -> int:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+    return [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+def count_kernels(fn: Callable[[], object]) -> int:
+    """GPU activities (kernels, memcpys, memsets) one eager call of ``fn`` launches: the node
+    count of the graph that records it."""
+    return len(_gpu_events(fn))
+
+
+def top_kernels(fn: Callable[[], object], top: int = 10) -> list[dict]:
+    """Where one eager call of ``fn`` spends GPU time: kernels by name, largest total first."""
+    agg: dict[str, list[float]] = {}
+    for e in _gpu_events(fn):
+        row = agg.setdefault(e.name[:80], [0.0, 0])
+        row[0] += e.time_range.elapsed_us()
+        row[1] += 1
+    rows = sorted(agg.items(), key=lambda kv: -kv[1][0])[:top]
+    return [{"kernel": k, "total_us": round(v[0], 1), "calls": int(v[1])} for k, v in rows]
 
 
 def gpu_rates() -> dict[str, float]:
