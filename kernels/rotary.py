@@ -57,35 +57,38 @@ if triton is not None:
     @triton.jit
     def _qkv_rope_kernel(
         qkv, pos0, inv_freq, q_out, k_out, v_out,
-        T, HEADS, KV_HEADS,
+        rows, T, HEADS, KV_HEADS,
         sk_n, sk_g, sk_t, sv_n, sv_g, sv_t,
-        HALF: tl.constexpr,
+        HALF: tl.constexpr, BT: tl.constexpr,
     ):  # fmt: skip
-        row = tl.program_id(0).to(tl.int64)  # n * T + t
+        row = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)  # n * T + t, BT tokens
+        live = row < rows
         j = tl.program_id(1)  # head among h + 2g
         n = row // T
         t = row % T
         cols = tl.arange(0, HALF)
-        src = qkv + row * (HEADS + 2 * KV_HEADS) * 2 * HALF + j * 2 * HALF + cols
-        a = tl.load(src)
-        b = tl.load(src + HALF)
+        m = live[:, None]
+        src = qkv + row[:, None] * (HEADS + 2 * KV_HEADS) * 2 * HALF + j * 2 * HALF + cols[None, :]
+        a = tl.load(src, mask=m)
+        b = tl.load(src + HALF, mask=m)
         if j < HEADS + KV_HEADS:
-            ang = (tl.load(pos0 + n) + t).to(tl.float32) * tl.load(inv_freq + cols)
+            pos = (tl.load(pos0 + n, mask=live, other=0) + t).to(tl.float32)
+            ang = pos[:, None] * tl.load(inv_freq + cols)[None, :]
             c = tl.cos(ang).to(a.dtype).to(tl.float32)
             s = tl.sin(ang).to(a.dtype).to(tl.float32)
             af, bf = a.to(tl.float32), b.to(tl.float32)
             ra = ((af * c).to(a.dtype).to(tl.float32) - (bf * s).to(a.dtype).to(tl.float32)).to(a.dtype)
             rb = ((bf * c).to(a.dtype).to(tl.float32) + (af * s).to(a.dtype).to(tl.float32)).to(a.dtype)
             if j < HEADS:
-                dst = q_out + ((n * HEADS + j) * T + t) * 2 * HALF + cols
+                dst = q_out + ((n * HEADS + j) * T + t)[:, None] * 2 * HALF + cols[None, :]
             else:
-                dst = k_out + n * sk_n + (j - HEADS) * sk_g + t * sk_t + cols
-            tl.store(dst, ra)
-            tl.store(dst + HALF, rb)
+                dst = k_out + (n * sk_n + (j - HEADS) * sk_g + t * sk_t)[:, None] + cols[None, :]
+            tl.store(dst, ra, mask=m)
+            tl.store(dst + HALF, rb, mask=m)
         else:
-            dst = v_out + n * sv_n + (j - HEADS - KV_HEADS) * sv_g + t * sv_t + cols
-            tl.store(dst, a)
-            tl.store(dst + HALF, b)
+            dst = v_out + (n * sv_n + (j - HEADS - KV_HEADS) * sv_g + t * sv_t)[:, None] + cols[None, :]
+            tl.store(dst, a, mask=m)
+            tl.store(dst + HALF, b, mask=m)
 
 
 def qkv_rope_triton(qkv, pos0, inv_freq, heads, kv_heads, kv_out=None):
@@ -98,11 +101,12 @@ def qkv_rope_triton(qkv, pos0, inv_freq, heads, kv_heads, kv_out=None):
     k_out, v_out = kv_out[:, 0], kv_out[:, 1]
     q = qkv.new_empty((n, heads, t, d))
     if n * t:
-        _qkv_rope_kernel[(n * t, heads + 2 * kv_heads)](
+        bt = 16  # tokens per program: enough work per program at large batch, 1-2 programs per head at batch 1
+        _qkv_rope_kernel[(triton.cdiv(n * t, bt), heads + 2 * kv_heads)](
             qkv.contiguous(), pos0, inv_freq, q, k_out, v_out,
-            t, heads, kv_heads,
+            n * t, t, heads, kv_heads,
             k_out.stride(0), k_out.stride(1), k_out.stride(2), v_out.stride(0), v_out.stride(1), v_out.stride(2),
-            HALF=d // 2, num_warps=1 if d <= 128 else 2,
+            HALF=d // 2, BT=bt, num_warps=2 if d <= 128 else 4,
         )  # fmt: skip
     return q, k_out, v_out
 
