@@ -101,7 +101,7 @@ def qkv_rope_triton(qkv, pos0, inv_freq, heads, kv_heads, kv_out=None):
     k_out, v_out = kv_out[:, 0], kv_out[:, 1]
     q = qkv.new_empty((n, heads, t, d))
     if n * t:
-        bt = 16  # tokens per program: enough work per program at large batch, 1-2 programs per head at batch 1
+        bt = 16 if n * t >= 2048 else 1  # tokens per program: more work each at large batch, most programs at small
         _qkv_rope_kernel[(triton.cdiv(n * t, bt), heads + 2 * kv_heads)](
             qkv.contiguous(), pos0, inv_freq, q, k_out, v_out,
             n * t, t, heads, kv_heads,
