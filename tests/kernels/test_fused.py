@@ -54,11 +54,11 @@ def test_gelu_mul(device, m):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize(("heads", "kv_heads", "d"), [(4, 1, 64), (8, 2, 32)])
-def test_qkv_rope_writes_rotated_heads_into_a_cache_view(device, heads, kv_heads, d):
+@pytest.mark.parametrize(("heads", "kv_heads", "d", "n", "t"), [(4, 1, 64, 3, 9), (8, 2, 32, 3, 9), (4, 1, 64, 40, 65)])
+def test_qkv_rope_writes_rotated_heads_into_a_cache_view(device, heads, kv_heads, d, n, t):
+    """Small and large token counts (one token a program, and blocks of tokens with a ragged end)."""
     g = torch.Generator(device=device).manual_seed(heads * d)
     inv = 10000.0 ** (-torch.arange(0, d, 2, dtype=torch.float32, device=device) / d)
-    n, t = 3, 9
     for dtype in dtypes(device):
         qkv = torch.randn(n, t, (heads + 2 * kv_heads) * d, device=device, generator=g).to(dtype)
         pos0 = torch.randint(0, 500, (n,), device=device, generator=g)
