@@ -1,0 +1,111 @@
+"""How far can steering the VLA's noise go? Search over noise with fork, against the baselines.
+
+Noise-space RL (``scripts/train.py``) learns a policy over the VLA's initial diffusion noise.
+This script measures how much that lever can move success on the built-in task, without
+learning: every episode runs in a group of K slots that share one boundary; each step the
+slots try K noise chunks (the first is zero noise, the policy's mode; the others are drawn
+from N(0, I)), run ``lookahead`` steps (zero noise after the first), and the group continues
+from its best slot (success first, then summed dense reward) by ``fork``: a byte copy of that
+slot's whole state into the other K-1 slots. Beside it, in the same run and on the same
+starts: the policy with its own noise drawn from N(0, I) (the base policy) and with zero noise.
+
+    python scripts/steer_search.py --episodes 64 --candidates 8 --lookahead 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from flashrt_gym import FlashRTVectorEnv
+
+EVAL_SEED = 1_000_000  # the evaluation starts of scripts/train.py
+
+
+def rollout(env: FlashRTVectorEnv, noise: str, gen: torch.Generator) -> np.ndarray:
+    """Success of one episode per slot with zero noise or N(0, I) noise every step."""
+    env.reset(seed=EVAL_SEED)
+    n, dim = env.num_envs, env.single_action_space.shape[0]
+    success, alive = np.zeros(n, bool), np.ones(n, bool)
+    while alive.any():
+        z = torch.zeros(n, dim) if noise == "zero" else torch.randn(n, dim, generator=gen)
+        _, _, term, trunc, _ = env.step((z / env.noise_bound).clamp(-1, 1).numpy())
+        success |= term & alive
+        alive &= ~(term | trunc)
+    return success
+
+
+def search(env: FlashRTVectorEnv, k: int, lookahead: int, gen: torch.Generator) -> tuple[np.ndarray, int]:
+    """Greedy search with fork: one episode per group of ``k`` slots. Returns the success of
+    each group and the env steps it took (all slots)."""
+    n, dim = env.num_envs, env.single_action_space.shape[0]
+    groups = n // k
+    env.reset(seed=EVAL_SEED)  # slot j starts at EVAL_SEED + j: group g takes slot g's start
+    for g in reversed(range(groups)):  # targets lie at or above slot g: no later source is overwritten
+        env.fork(g, range(g * k, (g + 1) * k))
+    success, done = np.zeros(groups, bool), np.zeros(groups, bool)
+    steps = 0
+    while not done.all():
+        z = torch.randn(n, dim, generator=gen)
+        z[::k] = 0.0  # candidate 0 of every group: the policy's mode
+        score = np.zeros(n)
+        hit, ended = np.zeros(n, bool), np.zeros(n, bool)
+        for h in range(lookahead):
+            a = z if h == 0 else torch.zeros(n, dim)
+            _, reward, term, trunc, _ = env.step((a / env.noise_bound).clamp(-1, 1).numpy())
+            steps += n
+            score += reward * ~ended
+            hit |= term & ~ended
+            ended |= term | trunc
+        score += 1e3 * hit
+        for g in np.flatnonzero(~done):
+            best = g * k + int(np.argmax(score[g * k : (g + 1) * k]))
+            if hit[best] or ended[best]:
+                success[g], done[g] = hit[best], True
+            else:
+                env.fork(best, [s for s in range(g * k, (g + 1) * k) if s != best])
+    return success, steps
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--episodes", type=int, default=64)
+    ap.add_argument("--candidates", type=int, default=8, help="noise chunks tried per step (K)")
+    ap.add_argument("--lookahead", type=int, default=1, help="steps run before choosing (zero noise after the first)")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", type=Path, default=Path("steer_search.json"))
+    args = ap.parse_args()
+    if args.candidates < 2 or args.lookahead < 1 or args.episodes < 1:
+        raise SystemExit("need --candidates >= 2, --lookahead >= 1 and --episodes >= 1")
+    gen = torch.Generator().manual_seed(args.seed)
+    kw = {"device": args.device, "autoreset": False, "reward_mode": "dense"}
+    t = time.perf_counter()
+    base = FlashRTVectorEnv(args.episodes, pool_size=args.episodes, **kw)
+    result = {
+        "episodes": args.episodes,
+        "candidates": args.candidates,
+        "lookahead": args.lookahead,
+        "device": args.device,
+        "base_success": float(rollout(base, "normal", gen).mean()),
+        "zero_noise_success": float(rollout(base, "zero", gen).mean()),
+    }
+    del base
+    env = FlashRTVectorEnv(args.episodes * args.candidates, pool_size=args.episodes * args.candidates, **kw)
+    success, steps = search(env, args.candidates, args.lookahead, gen)
+    result.update(search_success=float(success.mean()), search_env_steps=steps, seconds=time.perf_counter() - t)
+    args.out.write_text(json.dumps(result, indent=2))
+    print(
+        f"{args.episodes} episodes on {args.device}: base (N(0, I) noise) {result['base_success']:.1%}, "
+        f"zero noise {result['zero_noise_success']:.1%}, search with fork (K={args.candidates}, "
+        f"lookahead {args.lookahead}) {result['search_success']:.1%}  [{steps} env steps, {result['seconds']:.0f} s]"
+    )
+
+
+if __name__ == "__main__":
+    main()
