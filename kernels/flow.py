@@ -82,7 +82,9 @@ def time_embed_triton(x: torch.Tensor, wx: torch.Tensor, bias: torch.Tensor, dty
     return out
 
 
-def euler_step_triton(x, h, norm_w, w_out, b_out, eps):
+def euler_step_triton(
+    x: torch.Tensor, h: torch.Tensor, norm_w: torch.Tensor, w_out: torch.Tensor, b_out: torch.Tensor, eps: float
+) -> torch.Tensor:
     """The Triton kernel (called by :func:`euler_step` on CUDA)."""
     a, e = w_out.shape
     out = torch.empty_like(x)

@@ -110,7 +110,15 @@ if triton is not None:
         tl.store(dst, o.to(out.dtype.element_ty), mask=live[:, None])
 
 
-def attention_triton(q, k, v, mask, ctx_k=None, ctx_v=None, ctx_mask=None):
+def attention_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    ctx_k: torch.Tensor | None = None,
+    ctx_v: torch.Tensor | None = None,
+    ctx_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
     """The Triton kernel (called by :func:`attention` on CUDA)."""
     n, h, tq, d = q.shape
     g, tk = k.shape[1], k.shape[2]

@@ -40,7 +40,14 @@ def _kv_out(qkv: torch.Tensor, heads: int, kv_heads: int, kv_out: torch.Tensor |
     return kv_out
 
 
-def qkv_rope_reference(qkv, pos0, inv_freq, heads, kv_heads, kv_out=None):
+def qkv_rope_reference(
+    qkv: torch.Tensor,
+    pos0: torch.Tensor,
+    inv_freq: torch.Tensor,
+    heads: int,
+    kv_heads: int,
+    kv_out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Torch reference of :func:`qkv_rope`."""
     n, t, _ = qkv.shape
     kv_out = _kv_out(qkv, heads, kv_heads, kv_out)
@@ -91,7 +98,14 @@ if triton is not None:
             tl.store(dst + HALF, b, mask=m)
 
 
-def qkv_rope_triton(qkv, pos0, inv_freq, heads, kv_heads, kv_out=None):
+def qkv_rope_triton(
+    qkv: torch.Tensor,
+    pos0: torch.Tensor,
+    inv_freq: torch.Tensor,
+    heads: int,
+    kv_heads: int,
+    kv_out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The Triton kernel (called by :func:`qkv_rope` on CUDA)."""
     n, t, _ = qkv.shape
     kv_out = _kv_out(qkv, heads, kv_heads, kv_out)

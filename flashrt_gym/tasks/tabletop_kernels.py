@@ -11,9 +11,15 @@ arithmetic follows the references operation by operation; results agree to float
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from kernels.backend import next_pow2, tl, triton
+from runtime import BufferSet
+
+if TYPE_CHECKING:
+    from flashrt_gym.tasks.tabletop import Tabletop
 
 if triton is not None:
 
@@ -172,7 +178,7 @@ _TICK_BLOCK = 64
 _RENDER_BLOCK = 1024
 
 
-def ticks_triton(task, b, actions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def ticks_triton(task: Tabletop, b: BufferSet, actions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Every tick of ``actions (slots, T, 2)`` in one launch; returns the summed (dense, sparse)."""
     cfg, c, n = task.cfg, task._c(b.device), b.num_slots
     dense = torch.empty(n, device=b.device)
@@ -192,7 +198,7 @@ def ticks_triton(task, b, actions: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     return dense, sparse
 
 
-def render_triton(task, b, out: torch.Tensor) -> None:
+def render_triton(task: Tabletop, b: BufferSet, out: torch.Tensor) -> None:
     """Render every slot into ``out (slots, H, W, 3)`` uint8 (a view with contiguous rows)."""
     from flashrt_gym.tasks.tabletop import BACKGROUND, EE_COLOR, GOAL_COLOR
 
