@@ -7,7 +7,8 @@ slots try K noise chunks (the first is zero noise, the policy's mode; the others
 from N(0, I)), run ``lookahead`` steps (zero noise after the first), and the group continues
 from its best slot (success first, then summed dense reward) by ``fork``: a byte copy of that
 slot's whole state into the other K-1 slots. Beside it, in the same run and on the same
-starts: the policy with its own noise drawn from N(0, I) (the base policy) and with zero noise.
+starts, fixed noise laws: N(0, I) (the base policy), zero (its mode), the corners of the action
+box (what a saturated tanh actor emits), and N(0, c^2 I) for each ``--scales`` c.
 
     python scripts/steer_search.py --episodes 64 --candidates 8 --lookahead 1
 """
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -27,14 +29,13 @@ from flashrt_gym import FlashRTVectorEnv
 EVAL_SEED = 1_000_000  # the evaluation starts of scripts/train.py
 
 
-def rollout(env: FlashRTVectorEnv, noise: str, gen: torch.Generator) -> np.ndarray:
-    """Success of one episode per slot with zero noise or N(0, I) noise every step."""
+def rollout(env: FlashRTVectorEnv, draw: Callable[[int, int], torch.Tensor]) -> np.ndarray:
+    """Success of one episode per slot, the noise of every step drawn by ``draw(n, dim)``."""
     env.reset(seed=EVAL_SEED)
     n, dim = env.num_envs, env.single_action_space.shape[0]
     success, alive = np.zeros(n, bool), np.ones(n, bool)
     while alive.any():
-        z = torch.zeros(n, dim) if noise == "zero" else torch.randn(n, dim, generator=gen)
-        _, _, term, trunc, _ = env.step((z / env.noise_bound).clamp(-1, 1).numpy())
+        _, _, term, trunc, _ = env.step((draw(n, dim) / env.noise_bound).clamp(-1, 1).numpy())
         success |= term & alive
         alive &= ~(term | trunc)
     return success
@@ -79,6 +80,7 @@ def main() -> None:
     ap.add_argument("--lookahead", type=int, default=1, help="steps run before choosing (zero noise after the first)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--scales", type=float, nargs="*", default=[], help="also run N(0, c^2 I) noise for these c")
     ap.add_argument("--out", type=Path, default=Path("steer_search.json"))
     args = ap.parse_args()
     if args.candidates < 2 or args.lookahead < 1 or args.episodes < 1:
@@ -87,24 +89,27 @@ def main() -> None:
     kw = {"device": args.device, "autoreset": False, "reward_mode": "dense"}
     t = time.perf_counter()
     base = FlashRTVectorEnv(args.episodes, pool_size=args.episodes, **kw)
-    result = {
-        "episodes": args.episodes,
-        "candidates": args.candidates,
-        "lookahead": args.lookahead,
-        "device": args.device,
-        "base_success": float(rollout(base, "normal", gen).mean()),
-        "zero_noise_success": float(rollout(base, "zero", gen).mean()),
+    bound = base.noise_bound
+    baselines: dict[str, Callable[[int, int], torch.Tensor]] = {
+        "base_success": lambda n, d: torch.randn(n, d, generator=gen),  # the VLA's own noise law
+        "zero_noise_success": lambda n, d: torch.zeros(n, d),  # its mode
+        "saturated_noise_success": lambda n, d: torch.randn(n, d, generator=gen).sign() * bound,
     }
+    for c in args.scales:
+        baselines[f"normal_x{c:g}_success"] = lambda n, d, c=c: c * torch.randn(n, d, generator=gen)
+    result = {"episodes": args.episodes, "candidates": args.candidates, "lookahead": args.lookahead}
+    result["device"] = args.device
+    result.update({name: float(rollout(base, draw).mean()) for name, draw in baselines.items()})
     del base
     env = FlashRTVectorEnv(args.episodes * args.candidates, pool_size=args.episodes * args.candidates, **kw)
     success, steps = search(env, args.candidates, args.lookahead, gen)
     result.update(search_success=float(success.mean()), search_env_steps=steps, seconds=time.perf_counter() - t)
     args.out.write_text(json.dumps(result, indent=2))
-    print(
-        f"{args.episodes} episodes on {args.device}: base (N(0, I) noise) {result['base_success']:.1%}, "
-        f"zero noise {result['zero_noise_success']:.1%}, search with fork (K={args.candidates}, "
-        f"lookahead {args.lookahead}) {result['search_success']:.1%}  [{steps} env steps, {result['seconds']:.0f} s]"
-    )
+    print(f"{args.episodes} episodes on {args.device}, success by how the noise is chosen:")
+    for name in [*baselines, "search_success"]:
+        print(f"  {name.removesuffix('_success'):>16}  {result[name]:.1%}")
+    search_kind = f"K={args.candidates}, lookahead {args.lookahead}"
+    print(f"(search with fork: {search_kind}, {steps} env steps; {result['seconds']:.0f} s)")
 
 
 if __name__ == "__main__":

@@ -11,14 +11,21 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_search_runs_and_reports_every_method(tmp_path):
     out = tmp_path / "search.json"
     cmd = [sys.executable, str(ROOT / "scripts" / "steer_search.py"), "--episodes", "3", "--candidates", "2"]
-    done = subprocess.run([*cmd, "--lookahead", "2", "--out", str(out)], capture_output=True, text=True, timeout=600)
+    args = ["--lookahead", "2", "--scales", "0.5", "--out", str(out)]
+    done = subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     r = json.loads(out.read_text())
     assert (r["episodes"], r["candidates"], r["lookahead"]) == (3, 2, 2)
-    for key in ("base_success", "zero_noise_success", "search_success"):
+    for key in (
+        "base_success",
+        "zero_noise_success",
+        "saturated_noise_success",
+        "normal_x0.5_success",
+        "search_success",
+    ):
         assert r[key] * 3 == round(r[key] * 3) and 0 <= r[key] <= 1  # a fraction of 3 episodes
     assert r["search_env_steps"] > 0 and r["search_env_steps"] % 6 == 0  # whole steps of 3 groups x 2 slots
-    assert "search with fork" in done.stdout
+    assert "search with fork" in done.stdout and "saturated" in done.stdout
 
 
 def test_bad_arguments_are_refused():
