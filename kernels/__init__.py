@@ -19,7 +19,7 @@ module                           kernels
 """
 
 from kernels.activation import gelu_mul
-from kernels.backend import reference_only, use_triton
+from kernels.backend import implementation, reference_only, use_triton
 from kernels.flow import euler_step, time_embed
 from kernels.grouped_attention import attention
 from kernels.norm import add_rms_norm
@@ -27,12 +27,15 @@ from kernels.rng import draw_normal_
 from kernels.rotary import qkv_rope
 from kernels.slot_copy import masked_copy_rows, masked_copy_rows_reference, scatter_rows
 
+__version__ = "0.2.0"  # bump when a kernel's numerics change: capsules name the version they were made with
+
 __all__ = [
     "add_rms_norm",
     "attention",
     "draw_normal_",
     "euler_step",
     "gelu_mul",
+    "implementation",
     "masked_copy_rows",
     "masked_copy_rows_reference",
     "qkv_rope",

@@ -33,6 +33,17 @@ def use_triton(*tensors: torch.Tensor) -> bool:
     return not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
 
 
+def implementation(device: torch.device | str) -> str:
+    """``"triton"`` where kernel calls on ``device`` take their Triton kernels (outside autograd),
+    else ``"reference"``: the two agree to rounding, not to the bit, so outputs are comparable
+    only within one implementation (it is part of a deployment's identity)."""
+    return (
+        "triton"
+        if triton is not None and not _forced_reference and torch.device(device).type == "cuda"
+        else "reference"
+    )
+
+
 @contextlib.contextmanager
 def reference_only() -> Iterator[None]:
     """Run the torch references inside the block, whatever the device."""

@@ -30,6 +30,7 @@ from collections.abc import Callable
 
 import torch
 
+import kernels
 import runtime
 from kernels.rng import draw_normal_
 from policies.model import FlowPolicy
@@ -66,8 +67,10 @@ def policy_specs(model: FlowPolicy) -> list[BufferSpec]:
 
 
 def deployment_digest(model: FlowPolicy, weights_id: str) -> str:
-    """Hash of what makes outputs comparable: config, weights, dtype, runtime/kernel version."""
-    text = "|".join([model.cfg.to_json(), weights_id, str(model.dtype), runtime.__version__])
+    """Hash of what makes outputs comparable: config, weights, dtype, runtime and kernel versions,
+    and which kernel implementation (Triton or the torch references) runs on the model's device."""
+    impl = kernels.implementation(next(model.parameters()).device)
+    text = "|".join([model.cfg.to_json(), weights_id, str(model.dtype), runtime.__version__, kernels.__version__, impl])
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 

@@ -215,3 +215,18 @@ def test_folded_euler_loop_equals_the_unfolded_velocity_integration():
         torch.testing.assert_close(
             model.sample(noise, prefix, mask, frame), other.eval().sample(noise, prefix, mask, frame)
         )
+
+
+def test_deployment_digest_names_the_kernel_implementation(monkeypatch):
+    import kernels
+    from kernels.backend import triton
+    from policies import deployment_digest
+
+    assert kernels.implementation("cpu") == "reference"
+    assert kernels.implementation("cuda") == ("reference" if triton is None else "triton")
+    with kernels.reference_only():
+        assert kernels.implementation("cuda") == "reference"
+    model = FlowPolicy(config())
+    before = deployment_digest(model, "w")
+    monkeypatch.setattr(kernels, "implementation", lambda device: "triton")
+    assert deployment_digest(model, "w") != before  # outputs of the two agree to rounding only
