@@ -47,6 +47,8 @@ class FlashRTVectorEnv(VectorEnv):
     into its next chunk (DSRL); zero is the policy's mode, and the bound keeps the agent near the
     noise the policy was trained on. ``action_mode="residual"``: the action times
     ``residual_scale`` is added to the chunk the policy denoises from its own per-slot noise.
+    With ``repeat_over_horizon`` the action is ``Box(-1, 1, (action_dim,))``, one vector repeated
+    over the chunk's ``horizon`` steps (DSRL's pi0 setting: a far smaller space to search).
 
     ## Observation space
     ``obs_mode="state"`` (default): float32 end-effector (2), objects (2K), target one-hot (K),
@@ -71,6 +73,7 @@ class FlashRTVectorEnv(VectorEnv):
     ## Arguments
     num_envs: parallel slots. obs_mode, action_mode, reward_mode: see above.
     noise_bound: bound of the noise action space. residual_scale: size of a full residual.
+    repeat_over_horizon: one ``action_dim`` action per step, repeated over the horizon.
     n_action_steps: actions of each chunk executed per step. max_episode_steps: chunks per episode.
     task: a :class:`TabletopConfig` or a dict of its fields. weights: a policy folder (default:
     the shipped ``tiny`` policy). device: default CUDA when present. graphs: capture the step as a
@@ -93,6 +96,7 @@ class FlashRTVectorEnv(VectorEnv):
         reward_mode: str = "dense",
         noise_bound: float = 1.5,
         residual_scale: float = 0.5,
+        repeat_over_horizon: bool = False,
         n_action_steps: int = 4,
         max_episode_steps: int = 40,
         task: TabletopConfig | dict | None = None,
@@ -116,6 +120,7 @@ class FlashRTVectorEnv(VectorEnv):
         self.render_mode = render_mode
         self.autoreset = autoreset
         self.noise_bound, self.residual_scale = float(noise_bound), float(residual_scale)
+        self.repeat_over_horizon = bool(repeat_over_horizon)
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         task_cfg = task if isinstance(task, TabletopConfig) else TabletopConfig(**(task or {}))
         self.task = Tabletop(task_cfg)
@@ -155,7 +160,8 @@ class FlashRTVectorEnv(VectorEnv):
         self.registry = CapsuleRegistry(gpu_bytes=4 * pool_bytes, host_bytes=16 * pool_bytes)
         self._pool_base: int | None = None
 
-        self.single_action_space = spaces.Box(-1.0, 1.0, (c.horizon * c.action_dim,), np.float32)
+        agent_dim = c.action_dim if self.repeat_over_horizon else c.horizon * c.action_dim
+        self.single_action_space = spaces.Box(-1.0, 1.0, (agent_dim,), np.float32)
         state = spaces.Box(-1.0, 1.0, (sd,), np.float32)
         features = spaces.Box(-np.inf, np.inf, (c.width + 2,), np.float32)
         rgb = spaces.Box(0, 255, (c.image_size, c.image_size, 3), np.uint8)
@@ -276,7 +282,8 @@ class FlashRTVectorEnv(VectorEnv):
         a = torch.as_tensor(np.asarray(actions) if not isinstance(actions, torch.Tensor) else actions)
         want = (self.num_envs, *self.single_action_space.shape)
         if tuple(a.shape) != want:
-            raise ValueError(f"actions must have shape {want} (num_envs, horizon * action_dim), got {tuple(a.shape)}")
+            what = "action_dim, repeated over the horizon" if self.repeat_over_horizon else "horizon * action_dim"
+            raise ValueError(f"actions must have shape {want} (num_envs, {what}), got {tuple(a.shape)}")
         if not a.is_floating_point():
             raise ValueError(f"actions must be floating point, got {a.dtype}")
         a = a.to(self.device, torch.float32)
@@ -285,7 +292,7 @@ class FlashRTVectorEnv(VectorEnv):
             if not torch.isfinite(a).all():
                 raise ValueError("actions contain NaN or infinity")
             raise ValueError(f"actions must lie in [{lo}, {hi}] (the action space); clip them first")
-        return a
+        return a.repeat(1, self.horizon) if self.repeat_over_horizon else a  # (n, horizon * action_dim)
 
     def step_torch(self, actions: torch.Tensor) -> tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor, dict]:
         """The step on device tensors (for learners that keep everything on the GPU): returns

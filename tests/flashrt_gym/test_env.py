@@ -291,3 +291,15 @@ def test_record_video_writes_episode_videos(tmp_path):
     env.close()
     videos = list(tmp_path.glob("*.mp4"))
     assert len(videos) == 1 and videos[0].stat().st_size > 0
+
+
+def test_repeat_over_horizon_steps_exactly_like_the_tiled_chunk():
+    short, full = make(3, repeat_over_horizon=True), make(3)
+    assert short.single_action_space.shape == (2,) and short.action_space.shape == (3, 2)
+    short.reset(seed=5)
+    full.reset(seed=5)
+    acts = actions(short, 6)
+    assert same(rollout(short, acts), rollout(full, [np.tile(a, (1, 8)) for a in acts]))
+    with pytest.raises(ValueError, match="repeated over the horizon"):
+        short.step(np.zeros((3, 16), np.float32))
+    check_env(FlashRTEnv(device="cpu", pool_size=4, repeat_over_horizon=True), skip_render_check=True)
