@@ -53,7 +53,3 @@ def reference_only() -> Iterator[None]:
         yield
     finally:
         _forced_reference = before
-
-
-def next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.backend import next_pow2, tl, triton, use_triton
+from kernels.backend import tl, triton, use_triton
 from kernels.norm import add_rms_norm_reference
 
 
@@ -74,10 +74,10 @@ def time_embed_triton(x: torch.Tensor, wx: torch.Tensor, bias: torch.Tensor, dty
     e, a = wx.shape
     out = torch.empty((*x.shape[:-1], e), dtype=dtype, device=x.device)
     rows = x.numel() // a
-    be = min(128, next_pow2(e))
+    be = min(128, triton.next_power_of_2(e))
     if rows:
         _time_embed_kernel[(rows, triton.cdiv(e, be))](
-            x.contiguous(), wx.contiguous(), bias, out, e, A=a, A_PAD=next_pow2(a), BE=be
+            x.contiguous(), wx.contiguous(), bias, out, e, A=a, A_PAD=triton.next_power_of_2(a), BE=be
         )
     return out
 
@@ -89,11 +89,11 @@ def euler_step_triton(
     a, e = w_out.shape
     out = torch.empty_like(x)
     rows = x.numel() // a
-    a_pad = next_pow2(a)
+    a_pad = triton.next_power_of_2(a)
     if rows:
         _euler_step_kernel[(rows,)](
             x.contiguous(), h.contiguous(), norm_w, w_out.contiguous(), b_out, out, e, eps,
-            A=a, A_PAD=a_pad, BE=min(next_pow2(e), max(64, 4096 // a_pad)),
+            A=a, A_PAD=a_pad, BE=min(triton.next_power_of_2(e), max(64, 4096 // a_pad)),
         )  # fmt: skip
     return out
 

@@ -18,7 +18,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from kernels.backend import next_pow2, tl, triton, use_triton
+from kernels.backend import tl, triton, use_triton
 
 
 def attention_reference(
@@ -126,7 +126,7 @@ def attention_triton(
         return attention_reference(q, k, v, mask, ctx_k, ctx_v, ctx_mask)
     out = q.new_empty((n, tq, h, d))
     group = h // g
-    bm = max(16, min(64 if d <= 128 else 32, next_pow2(group * tq)))
+    bm = max(16, min(64 if d <= 128 else 32, triton.next_power_of_2(group * tq)))
     bn = 64 if d <= 128 else 32
     has_ctx = ctx_k is not None
     ck, cv = (ctx_k, ctx_v) if has_ctx else (k, v)

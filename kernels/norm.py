@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.backend import next_pow2, tl, triton, use_triton
+from kernels.backend import tl, triton, use_triton
 
 
 def add_rms_norm_reference(
@@ -62,7 +62,7 @@ def add_rms_norm_triton(
             width,
             eps,
             HAS_DELTA=delta is not None,
-            BLOCK=next_pow2(width),
+            BLOCK=triton.next_power_of_2(width),
             num_warps=4 if width <= 2048 else 8,
         )
     return h, y

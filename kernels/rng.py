@@ -15,7 +15,7 @@ import math
 
 import torch
 
-from kernels.backend import next_pow2, tl, triton, use_triton
+from kernels.backend import tl, triton, use_triton
 
 _M32 = 0xFFFFFFFF
 
@@ -99,7 +99,7 @@ def draw_normal_triton(out: torch.Tensor, key: torch.Tensor, counter: torch.Tens
     slots, n = out.shape
     half = (n + 1) // 2
     if slots and n:
-        _draw_normal_kernel[(slots,)](out, key, counter, n, half, out.stride(0), BLOCK=next_pow2(half))
+        _draw_normal_kernel[(slots,)](out, key, counter, n, half, out.stride(0), BLOCK=triton.next_power_of_2(half))
 
 
 def draw_normal_(out: torch.Tensor, key: torch.Tensor, counter: torch.Tensor) -> None:

@@ -190,6 +190,7 @@ class Tabletop:
             lin = (torch.arange(n, dtype=torch.float32) + 0.5) / n * 2 - 1
             ys, xs = torch.meshgrid(-lin, lin, indexing="ij")  # row 0 is the top of the table
             colors = [COLORS[o.split()[0]] for o in cfg.objects]
+            shapes = [SHAPES.index(o.split()[1]) for o in cfg.objects]
             self._consts[device] = {
                 "combos": torch.tensor(self._combos_all, dtype=torch.int64, device=device),
                 "split": torch.tensor(self._split, dtype=torch.int64, device=device),
@@ -199,10 +200,8 @@ class Tabletop:
                 "background": torch.tensor(BACKGROUND, dtype=torch.float32, device=device),
                 "goal_color": torch.tensor(GOAL_COLOR, dtype=torch.float32, device=device),
                 "ee_color": torch.tensor(EE_COLOR, dtype=torch.float32, device=device),
-                "shapes": [SHAPES.index(o.split()[1]) for o in cfg.objects],
-                "shape_codes": torch.tensor(
-                    [SHAPES.index(o.split()[1]) for o in cfg.objects], dtype=torch.int32, device=device
-                ),
+                "shapes": shapes,
+                "shape_codes": torch.tensor(shapes, dtype=torch.int32, device=device),
             }
         return self._consts[device]
 

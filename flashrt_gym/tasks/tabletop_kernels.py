@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kernels.backend import next_pow2, tl, triton
+from kernels.backend import tl, triton
 from runtime import BufferSet
 
 if TYPE_CHECKING:
@@ -191,7 +191,7 @@ def ticks_triton(task: Tabletop, b: BufferSet, actions: torch.Tensor) -> tuple[t
         ee, obj, vel, success, tick, inst, actions, c["combos"], c["goals"], dense, sparse,
         n, ee.stride(0), obj.stride(0), vel.stride(0), success.stride(0), tick.stride(0), inst.stride(0),
         actions.stride(0), actions.stride(1), actions.shape[1],
-        K=task.num_objects, KP=next_pow2(task.num_objects), SUBSTEPS=cfg.substeps, ITERS=cfg.contact_iters,
+        K=task.num_objects, KP=triton.next_power_of_2(task.num_objects), SUBSTEPS=cfg.substeps, ITERS=cfg.contact_iters,
         EE_R=cfg.ee_radius, OBJ_R=cfg.obj_radius, GOAL_R=cfg.goal_radius, SPEED=cfg.max_speed,
         FRICTION=cfg.friction, BLOCK=_TICK_BLOCK,
     )  # fmt: skip
