@@ -32,6 +32,7 @@ def config(*overrides: str):
     [
         [],
         ["agent=ppo"],
+        ["agent=sac_sb3"],
         ["env=residual"],
         ["runtime=eager", "runtime.device=cpu"],
         ["logger=none"],

@@ -1,0 +1,302 @@
+"""Stable-baselines3's SAC with its gradient step captured once as a CUDA graph.
+
+SB3's ``SAC.train`` launches a few hundred small kernels per gradient step from Python and
+reads every loss back to the host (``.item()``), so on a GPU one update costs milliseconds
+whatever the network size, and DSRL's update-to-data ratios (about 20) are out of reach.
+:class:`GraphSAC` keeps SB3's SAC (policy, losses, entropy tuning, target networks,
+``save`` / ``load`` / ``predict``, callbacks) and changes only where the gradient step runs:
+
+* :class:`DeviceReplayBuffer` holds the transitions in tensors on the learner's device and
+  draws minibatch indices there (the fill level is a device tensor), so sampling needs no
+  host round trip;
+* one gradient step (sample, entropy coefficient, critic, actor, Polyak update) is captured
+  once as a CUDA graph and replayed ``gradient_steps`` times; the Adam optimizers run in
+  capturable mode with their learning rates in device tensors (schedules still apply);
+* the losses are summed on the device and read once per ``train`` call.
+
+On the CPU (and with ``use_graphs=False``) the same gradient-step function runs eagerly, so
+the CPU path is the captured path's logic without the capture. The update is SB3's, term for
+term; only its order of random draws differs (indices are drawn on the device).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from gymnasium import spaces
+from stable_baselines3 import SAC
+from stable_baselines3.common.buffers import BaseBuffer, ReplayBuffer
+from stable_baselines3.common.type_aliases import ReplayBufferSamples
+from stable_baselines3.common.utils import get_device, polyak_update
+from torch.distributions import Distribution
+
+WARMUP_STEPS = 3  # eager gradient steps on a side stream before a capture (real updates, counted)
+
+
+class DeviceReplayBuffer(ReplayBuffer):
+    """SB3's :class:`ReplayBuffer` with its storage in torch tensors on ``device``.
+
+    Rows are ``pos * n_envs + env``; ``sample`` draws uniform rows below the fill level on the
+    device, so it can run inside a captured graph. Pickles (``save_replay_buffer``) with its
+    tensors on the CPU; assigning ``device`` moves the storage.
+    """
+
+    def __init__(
+        self,
+        buffer_size: int,
+        observation_space: spaces.Space,
+        action_space: spaces.Space,
+        device: torch.device | str = "auto",
+        n_envs: int = 1,
+        optimize_memory_usage: bool = False,
+        handle_timeout_termination: bool = True,
+    ) -> None:
+        if optimize_memory_usage:
+            raise ValueError("DeviceReplayBuffer stores next observations explicitly: set optimize_memory_usage=False")
+        if not isinstance(observation_space, spaces.Box):
+            raise ValueError(
+                f"DeviceReplayBuffer needs a Box observation space, got {type(observation_space).__name__}: "
+                "use obs_mode='state' or 'features'"
+            )
+        self._store: dict[str, torch.Tensor] = {}
+        BaseBuffer.__init__(self, buffer_size, observation_space, action_space, device, n_envs=n_envs)
+        self.buffer_size = max(buffer_size // n_envs, 1)
+        self.optimize_memory_usage = False
+        self.handle_timeout_termination = handle_timeout_termination
+        rows = self.buffer_size * self.n_envs
+        obs_dtype = torch.from_numpy(np.zeros(0, observation_space.dtype)).dtype
+        act_dtype = torch.from_numpy(np.zeros(0, self._maybe_cast_dtype(action_space.dtype))).dtype
+        self._store = {
+            "observations": torch.zeros(rows, *self.obs_shape, dtype=obs_dtype),
+            "next_observations": torch.zeros(rows, *self.obs_shape, dtype=obs_dtype),
+            "actions": torch.zeros(rows, self.action_dim, dtype=act_dtype),
+            "rewards": torch.zeros(rows, 1),
+            "not_done": torch.zeros(rows, 1),  # 1 - done * (1 - timeout): what the TD target bootstraps on
+            "filled": torch.zeros(()),  # rows holding data, as a float (sampling scales uniforms by it)
+        }
+        self.device = self.device  # moves the storage
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    @device.setter
+    def device(self, device: torch.device | str) -> None:
+        self._device = get_device(device)
+        self._store = {k: v.to(self._device) for k, v in self._store.items()}
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_store"] = {k: v.cpu() for k, v in self._store.items()}
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)  # the loader assigns ``device`` next, which moves the storage
+
+    def add(
+        self,
+        obs: np.ndarray,
+        next_obs: np.ndarray,
+        action: np.ndarray,
+        reward: np.ndarray,
+        done: np.ndarray,
+        infos: list[dict[str, Any]],
+    ) -> None:
+        rows = slice(self.pos * self.n_envs, (self.pos + 1) * self.n_envs)
+        s, dev = self._store, self._device
+        s["observations"][rows] = torch.as_tensor(np.asarray(obs).reshape(self.n_envs, *self.obs_shape)).to(dev)
+        s["next_observations"][rows] = torch.as_tensor(np.asarray(next_obs).reshape(self.n_envs, *self.obs_shape)).to(
+            dev
+        )
+        s["actions"][rows] = torch.as_tensor(np.asarray(action).reshape(self.n_envs, self.action_dim)).to(dev)
+        s["rewards"][rows, 0] = torch.as_tensor(np.asarray(reward, np.float32)).to(dev)
+        timeout = np.zeros(self.n_envs, np.float32)
+        if self.handle_timeout_termination:
+            timeout = np.array([info.get("TimeLimit.truncated", False) for info in infos], np.float32)
+        not_done = 1.0 - np.asarray(done, np.float32) * (1.0 - timeout)
+        s["not_done"][rows, 0] = torch.as_tensor(not_done).to(dev)
+        self.pos += 1
+        if self.pos == self.buffer_size:
+            self.full, self.pos = True, 0
+        s["filled"].fill_(float(self.size() * self.n_envs))
+
+    def size(self) -> int:
+        """Vector steps stored (SB3's convention: rows / n_envs)."""
+        return self.buffer_size if self.full else self.pos
+
+    def reset(self) -> None:
+        super().reset()
+        self._store["filled"].zero_()
+
+    def sample(self, batch_size: int, env: Any = None) -> ReplayBufferSamples:
+        """``batch_size`` uniform rows, drawn on the device (capturable: no host synchronisation)."""
+        if env is not None:
+            raise ValueError("DeviceReplayBuffer does not normalise samples: GraphSAC does not support VecNormalize")
+        s = self._store
+        rows = (torch.rand(batch_size, device=self._device) * s["filled"]).long()
+        return ReplayBufferSamples(
+            s["observations"][rows],
+            s["actions"][rows],
+            s["next_observations"][rows],
+            1.0 - s["not_done"][rows],  # SB3's ``dones`` field, timeouts already removed
+            s["rewards"][rows],
+        )
+
+
+def _set_capturable(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
+    """Adam in capturable mode with a device-tensor learning rate on CUDA; plain Adam elsewhere."""
+    on_cuda = device.type == "cuda"
+    for group in optimizer.param_groups:
+        lr = float(group["lr"])
+        group["capturable"] = on_cuda
+        group["lr"] = torch.tensor(lr, device=device) if on_cuda else lr
+        for p in group["params"]:
+            state = optimizer.state.get(p, {})
+            if "step" in state:
+                state["step"] = state["step"].to(device if on_cuda else "cpu", torch.float32)
+
+
+class GraphSAC(SAC):
+    """SB3's :class:`~stable_baselines3.SAC` whose gradient step runs as one captured CUDA graph.
+
+    Takes SAC's arguments, plus ``use_graphs`` (capture on CUDA; default True). The replay
+    buffer is always a :class:`DeviceReplayBuffer`. Learning-rate schedules apply (the rates
+    live in device tensors). On the CPU the same gradient step runs eagerly.
+
+    Example:
+        >>> model = GraphSAC("MlpPolicy", SB3VecEnv(num_envs=64), gradient_steps=64)
+        >>> model.learn(200_000)
+    """
+
+    def __init__(self, policy: Any, env: Any, *, use_graphs: bool = True, **kwargs: Any) -> None:
+        given = kwargs.pop("replay_buffer_class", None)
+        if given not in (None, DeviceReplayBuffer):
+            raise ValueError(
+                f"GraphSAC samples on the device: replay_buffer_class must be DeviceReplayBuffer, got {given}"
+            )
+        if kwargs.get("optimize_memory_usage"):
+            raise ValueError("GraphSAC does not support optimize_memory_usage=True")
+        self.use_graphs = use_graphs
+        super().__init__(policy, env, replay_buffer_class=DeviceReplayBuffer, **kwargs)
+
+    def _setup_model(self) -> None:
+        super()._setup_model()
+        self._graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
+        self._graph_buffer: DeviceReplayBuffer | None = None
+        self._stats = torch.zeros(4, device=self.device)  # ent_coef, ent_coef_loss, critic_loss, actor_loss
+        for opt in self._optimizers():
+            _set_capturable(opt, self.device)
+
+    def _optimizers(self) -> list[torch.optim.Optimizer]:
+        opts = [self.actor.optimizer, self.critic.optimizer]
+        return opts + ([self.ent_coef_optimizer] if self.ent_coef_optimizer is not None else [])
+
+    def _excluded_save_params(self) -> list[str]:
+        return [*super()._excluded_save_params(), "_graphs", "_graph_buffer", "_stats"]
+
+    def set_parameters(self, *args: Any, **kwargs: Any) -> None:
+        super().set_parameters(*args, **kwargs)  # loaded optimizer state has new tensors: recapture
+        for opt in self._optimizers():
+            _set_capturable(opt, self.device)
+        self._graphs = {}
+
+    def load_replay_buffer(self, *args: Any, **kwargs: Any) -> None:
+        super().load_replay_buffer(*args, **kwargs)
+        self.replay_buffer.device = self.device  # unpickled on the CPU
+
+    def _update_learning_rate(self, optimizers: list[torch.optim.Optimizer] | torch.optim.Optimizer) -> None:
+        lr = self.lr_schedule(self._current_progress_remaining)
+        self.logger.record("train/learning_rate", lr)
+        for opt in optimizers if isinstance(optimizers, list) else [optimizers]:
+            for group in opt.param_groups:
+                if isinstance(group["lr"], torch.Tensor):
+                    group["lr"].fill_(lr)  # in place: captured graphs read this tensor
+                else:
+                    group["lr"] = lr
+
+    def _gradient_step(self, batch_size: int, update_target: bool) -> None:
+        """One SAC update, SB3's terms in SB3's order; adds its losses to ``self._stats``."""
+        data = self.replay_buffer.sample(batch_size, env=self._vec_normalize_env)
+        actions_pi, log_prob = self.actor.action_log_prob(data.observations)
+        log_prob = log_prob.reshape(-1, 1)
+        if self.ent_coef_optimizer is not None:
+            ent_coef = torch.exp(self.log_ent_coef.detach())
+            ent_coef_loss = -(self.log_ent_coef * (log_prob + self.target_entropy).detach()).mean()
+            self.ent_coef_optimizer.zero_grad(set_to_none=False)
+            ent_coef_loss.backward()
+            self.ent_coef_optimizer.step()
+        else:
+            ent_coef, ent_coef_loss = self.ent_coef_tensor, torch.zeros((), device=self.device)
+        with torch.no_grad():
+            next_actions, next_log_prob = self.actor.action_log_prob(data.next_observations)
+            next_q = torch.cat(self.critic_target(data.next_observations, next_actions), dim=1)
+            next_q = next_q.min(dim=1, keepdim=True).values - ent_coef * next_log_prob.reshape(-1, 1)
+            target_q = data.rewards + (1 - data.dones) * self.gamma * next_q
+        current_q = self.critic(data.observations, data.actions)
+        critic_loss = 0.5 * sum(F.mse_loss(q, target_q) for q in current_q)
+        self.critic.optimizer.zero_grad(set_to_none=False)
+        critic_loss.backward()
+        self.critic.optimizer.step()
+        q_pi = torch.cat(self.critic(data.observations, actions_pi), dim=1)
+        actor_loss = (ent_coef * log_prob - q_pi.min(dim=1, keepdim=True).values).mean()
+        self.actor.optimizer.zero_grad(set_to_none=False)
+        actor_loss.backward()
+        self.actor.optimizer.step()
+        if update_target:
+            polyak_update(self.critic.parameters(), self.critic_target.parameters(), self.tau)
+            polyak_update(self.batch_norm_stats, self.batch_norm_stats_target, 1.0)
+        losses = torch.stack([ent_coef.reshape(()), ent_coef_loss.detach(), critic_loss.detach(), actor_loss.detach()])
+        self._stats.add_(losses)
+
+    def _graph(self, batch_size: int, update_target: bool) -> tuple[torch.cuda.CUDAGraph, int]:
+        """The captured step for this variant, and how many eager warm-up updates its capture ran."""
+        if self._graph_buffer is not self.replay_buffer:  # a loaded replay buffer has new storage
+            self._graphs, self._graph_buffer = {}, self.replay_buffer
+        key = (batch_size, update_target)
+        if key in self._graphs:
+            return self._graphs[key], 0
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(WARMUP_STEPS):
+                self._gradient_step(batch_size, update_target)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self._gradient_step(batch_size, update_target)
+        self._graphs[key] = graph
+        return graph, WARMUP_STEPS
+
+    def train(self, gradient_steps: int, batch_size: int = 64) -> None:
+        self.policy.set_training_mode(True)
+        self._update_learning_rate(self._optimizers())
+        self._stats.zero_()
+        capture = self.use_graphs and self.device.type == "cuda"
+        validate = Distribution._validate_args  # argument checks read tensors back to the host
+        Distribution.set_default_validate_args(False)
+        try:
+            done = 0
+            while done < gradient_steps:
+                update_target = (self._n_updates + done) % self.target_update_interval == 0
+                if capture:
+                    graph, warm = self._graph(batch_size, update_target)
+                    if warm:
+                        done += warm
+                        continue
+                    graph.replay()
+                else:
+                    self._gradient_step(batch_size, update_target)
+                done += 1
+        finally:
+            Distribution.set_default_validate_args(validate)
+        self._n_updates += done
+        ent_coef, ent_coef_loss, critic_loss, actor_loss = (self._stats / done).tolist()
+        self.logger.record("train/n_updates", self._n_updates, exclude="tensorboard")
+        self.logger.record("train/ent_coef", ent_coef)
+        self.logger.record("train/actor_loss", actor_loss)
+        self.logger.record("train/critic_loss", critic_loss)
+        if self.ent_coef_optimizer is not None:
+            self.logger.record("train/ent_coef_loss", ent_coef_loss)
