@@ -29,8 +29,12 @@ import torch.nn.functional as F
 from gymnasium import spaces
 from stable_baselines3 import SAC
 from stable_baselines3.common.buffers import BaseBuffer, ReplayBuffer
+from stable_baselines3.common.policies import ContinuousCritic
+from stable_baselines3.common.torch_layers import BaseFeaturesExtractor
 from stable_baselines3.common.type_aliases import ReplayBufferSamples
 from stable_baselines3.common.utils import get_device, polyak_update
+from stable_baselines3.sac.policies import Actor, SACPolicy
+from torch import nn
 from torch.distributions import Distribution
 
 WARMUP_STEPS = 3  # eager gradient steps on a side stream before a capture (real updates, counted)
@@ -147,16 +151,43 @@ class DeviceReplayBuffer(ReplayBuffer):
 
 
 def _set_capturable(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
-    """Adam in capturable mode with a device-tensor learning rate on CUDA; plain Adam elsewhere."""
+    """Fused, capturable Adam with a device-tensor learning rate on CUDA (one kernel per step,
+    not a dozen per parameter); plain Adam elsewhere."""
     on_cuda = device.type == "cuda"
     for group in optimizer.param_groups:
         lr = float(group["lr"])
-        group["capturable"] = on_cuda
+        group["capturable"] = group["fused"] = on_cuda
+        group["foreach"] = None if on_cuda else group.get("foreach")
         group["lr"] = torch.tensor(lr, device=device) if on_cuda else lr
         for p in group["params"]:
             state = optimizer.state.get(p, {})
             if "step" in state:
                 state["step"] = state["step"].to(device if on_cuda else "cpu", torch.float32)
+
+
+class LayerNormSACPolicy(SACPolicy):
+    """SAC's MLP policy with a LayerNorm after every hidden linear layer of the actor and the
+    critics (DSRL's networks). Normalised critics keep Q-values from running away on actions
+    the replay buffer never holds, where high update-to-data ratios otherwise overestimate."""
+
+    def make_actor(self, features_extractor: BaseFeaturesExtractor | None = None) -> Actor:
+        actor = super().make_actor(features_extractor)
+        _normalise_hidden(actor.latent_pi, last_is_output=False)
+        return actor
+
+    def make_critic(self, features_extractor: BaseFeaturesExtractor | None = None) -> ContinuousCritic:
+        critic = super().make_critic(features_extractor)
+        for q in critic.q_networks:
+            _normalise_hidden(q, last_is_output=True)
+        return critic
+
+
+def _normalise_hidden(mlp: nn.Sequential, last_is_output: bool) -> None:
+    """Insert ``LayerNorm`` after each hidden ``Linear`` of ``mlp``, in place."""
+    linears = [i for i, m in enumerate(mlp) if isinstance(m, nn.Linear)]
+    hidden = linears[:-1] if last_is_output else linears
+    for i in reversed(hidden):
+        mlp.insert(i + 1, nn.LayerNorm(mlp[i].out_features))
 
 
 class GraphSAC(SAC):

@@ -72,6 +72,11 @@ def check(cfg: DictConfig) -> None:
     except Exception as e:
         raise ConfigError(f"config key 'agent._target_': cannot import {cfg.agent._target_!r} ({e})") from e
     _require(issubclass(cls, BaseAlgorithm), "agent._target_", f"{cfg.agent._target_} is not an SB3 algorithm")
+    if "." in cfg.agent.policy:
+        try:
+            get_class(cfg.agent.policy)
+        except Exception as e:
+            raise ConfigError(f"config key 'agent.policy': cannot import {cfg.agent.policy!r} ({e})") from e
     if cfg.resume:
         _require(Path(cfg.resume).is_file(), "resume", f"no checkpoint file at {cfg.resume}")
 
@@ -109,11 +114,12 @@ def build_agent(cfg: DictConfig, venv: Any, tensorboard_log: str | None) -> Base
     """The SB3 algorithm of ``cfg.agent``: ``_target_`` class, ``policy``, ``kwargs``, and ``utd``
     (gradient updates per collected transition, for off-policy agents)."""
     cls = get_class(cfg.agent._target_)
+    policy = get_class(cfg.agent.policy) if "." in cfg.agent.policy else cfg.agent.policy  # a class, or SB3's alias
     kwargs = OmegaConf.to_container(cfg.agent.kwargs, resolve=True)
     if issubclass(cls, OffPolicyAlgorithm):  # one vec step collects num_envs transitions
         kwargs["gradient_steps"] = max(1, round(cfg.agent.utd * venv.num_envs))
     return cls(
-        cfg.agent.policy,
+        policy,
         venv,
         seed=cfg.seed,
         device=device_of(cfg),
@@ -247,6 +253,7 @@ def train(cfg: DictConfig, out: str | Path = ".") -> dict[str, Any]:
     """Train ``cfg.agent`` on FlashRT-VLA; write checkpoints, ``curve.json``, ``curve.png`` and
     ``summary.json`` under ``out``; print base vs steered success. Returns the summary."""
     check(cfg)  # also resolves the auto budgets
+    torch.set_float32_matmul_precision("high")  # the agent's float32 GEMMs on tensor cores (TF32)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))

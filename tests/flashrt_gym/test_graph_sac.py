@@ -12,7 +12,7 @@ from stable_baselines3.common.buffers import ReplayBuffer
 from stable_baselines3.common.logger import configure
 from stable_baselines3.common.type_aliases import ReplayBufferSamples
 
-from flashrt_gym.graph_sac import DeviceReplayBuffer, GraphSAC
+from flashrt_gym.graph_sac import DeviceReplayBuffer, GraphSAC, LayerNormSACPolicy
 from flashrt_gym.sb3 import SB3VecEnv
 
 OBS, ACT = spaces.Box(-1, 1, (3,), np.float32), spaces.Box(-1, 1, (2,), np.float32)
@@ -109,6 +109,24 @@ def test_learn_save_load_and_continue(tmp_path):
         assert torch.equal(a, b)
     back.learn(8, reset_num_timesteps=False)
     assert back.num_timesteps == 32 and back._n_updates == model._n_updates + 4
+
+
+def test_layer_norm_policy_normalises_every_hidden_layer(tmp_path):
+    env = SB3VecEnv(num_envs=2, device="cpu", graphs=False, max_episode_steps=3)
+    kw = {"learning_starts": 4, "batch_size": 8, "policy_kwargs": {"net_arch": [32, 16]}, "device": "cpu"}
+    model = GraphSAC(LayerNormSACPolicy, env, seed=0, **kw)
+    p = model.policy
+    for mlp, widths in [(p.actor.latent_pi, [32, 16]), *[(q, [32, 16]) for q in p.critic.q_networks]]:
+        norms = [m.normalized_shape[0] for m in mlp if isinstance(m, torch.nn.LayerNorm)]
+        assert norms == widths  # after each hidden layer, none after the critic's output
+        kinds = [type(m).__name__ for m in mlp]
+        assert kinds[:3] == ["Linear", "LayerNorm", "ReLU"]
+    model.learn(8)
+    model.save(tmp_path / "m.zip")
+    back = GraphSAC.load(tmp_path / "m.zip", env=env, device="cpu")
+    assert isinstance(back.policy, LayerNormSACPolicy)
+    for a, b in zip(model.critic_target.state_dict().values(), back.critic_target.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
 
 
 def test_rejects_other_replay_buffers():
