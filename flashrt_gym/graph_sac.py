@@ -79,7 +79,7 @@ class DeviceReplayBuffer(ReplayBuffer):
             "actions": torch.zeros(rows, self.action_dim, dtype=act_dtype),
             "rewards": torch.zeros(rows, 1),
             "not_done": torch.zeros(rows, 1),  # 1 - done * (1 - timeout): what the TD target bootstraps on
-            "filled": torch.zeros(()),  # rows holding data, as a float (sampling scales uniforms by it)
+            "filled": torch.zeros((), dtype=torch.float64),  # rows holding data (float64: uniforms x it stay below it)
         }
         self.device = self.device  # moves the storage
 
@@ -140,7 +140,7 @@ class DeviceReplayBuffer(ReplayBuffer):
         if env is not None:
             raise ValueError("DeviceReplayBuffer does not normalise samples: GraphSAC does not support VecNormalize")
         s = self._store
-        rows = (torch.rand(batch_size, device=self._device) * s["filled"]).long()
+        rows = (torch.rand(batch_size, device=self._device, dtype=torch.float64) * s["filled"]).long()
         return ReplayBufferSamples(
             s["observations"][rows],
             s["actions"][rows],
