@@ -110,26 +110,23 @@ class DeviceReplayBuffer(ReplayBuffer):
         infos: list[dict[str, Any]],
     ) -> None:
         rows = slice(self.pos * self.n_envs, (self.pos + 1) * self.n_envs)
-        s, dev = self._store, self._device
-        s["observations"][rows] = torch.as_tensor(np.asarray(obs).reshape(self.n_envs, *self.obs_shape)).to(dev)
-        s["next_observations"][rows] = torch.as_tensor(np.asarray(next_obs).reshape(self.n_envs, *self.obs_shape)).to(
-            dev
-        )
-        s["actions"][rows] = torch.as_tensor(np.asarray(action).reshape(self.n_envs, self.action_dim)).to(dev)
-        s["rewards"][rows, 0] = torch.as_tensor(np.asarray(reward, np.float32)).to(dev)
         timeout = np.zeros(self.n_envs, np.float32)
         if self.handle_timeout_termination:
             timeout = np.array([info.get("TimeLimit.truncated", False) for info in infos], np.float32)
         not_done = 1.0 - np.asarray(done, np.float32) * (1.0 - timeout)
-        s["not_done"][rows, 0] = torch.as_tensor(not_done).to(dev)
+        for name, value in (
+            ("observations", obs),
+            ("next_observations", next_obs),
+            ("actions", action),
+            ("rewards", np.asarray(reward, np.float32)),
+            ("not_done", not_done),
+        ):
+            dst = self._store[name][rows]
+            dst.copy_(torch.as_tensor(np.asarray(value)).reshape(dst.shape))
         self.pos += 1
         if self.pos == self.buffer_size:
             self.full, self.pos = True, 0
-        s["filled"].fill_(float(self.size() * self.n_envs))
-
-    def size(self) -> int:
-        """Vector steps stored (SB3's convention: rows / n_envs)."""
-        return self.buffer_size if self.full else self.pos
+        self._store["filled"].fill_(float(self.size() * self.n_envs))
 
     def reset(self) -> None:
         super().reset()
