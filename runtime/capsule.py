@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import operator
 import os
+from array import array
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -286,9 +288,14 @@ def _checksum(tensors: dict[str, torch.Tensor], desc: Descriptor) -> str:
 
 # -- verbs ---------------------------------------------------------------------------------------
 def _slot_index(bufs: BufferSet, slots: Sequence[int] | torch.Tensor, what: str) -> tuple[int, ...]:
+    # Host cost matters here (a fork of 1024 slots is ~80 us on the GPU): builtins over the
+    # whole list, no per-element Python loop.
     if isinstance(slots, torch.Tensor):
         slots = slots.tolist()
-    out = tuple(int(s) for s in slots)
+    try:
+        out = tuple(map(operator.index, slots))
+    except TypeError:
+        raise TypeError(f"{what}: slots must be integers, got {slots!r:.80}") from None
     if not out:
         raise ValueError(f"{what}: empty slot list")
     if min(out) < 0 or max(out) >= bufs.num_slots:
@@ -300,7 +307,8 @@ def _slot_index(bufs: BufferSet, slots: Sequence[int] | torch.Tensor, what: str)
 
 
 def _index_tensor(bufs: BufferSet, slots: tuple[int, ...]) -> torch.Tensor:
-    return torch.tensor(slots, dtype=torch.int64).to(bufs.device, non_blocking=True)
+    # array('q') packs the ints in C; torch.tensor(tuple) costs ~90 us at 1024 slots.
+    return torch.frombuffer(array("q", slots), dtype=torch.int64).to(bufs.device, non_blocking=True)
 
 
 def snapshot(

@@ -162,7 +162,13 @@ def test_deployment_and_layout_mismatches_are_refused_and_nothing_is_written():
 
 @pytest.mark.parametrize(
     ("slots", "err", "match"),
-    [([0, 1, 2], ValueError, "holds 2 slots but 3"), ([0, 9], IndexError, "out of range"), ([1, 1], ValueError, "dup")],
+    [
+        ([0, 1, 2], ValueError, "holds 2 slots but 3"),
+        ([0, 9], IndexError, "out of range"),
+        ([1, 1], ValueError, "dup"),
+        ([0, 1.5], TypeError, "integers"),
+        (torch.tensor([0.0, 1.0]), TypeError, "integers"),
+    ],
 )
 def test_bad_target_slots_are_refused_before_any_write(slots, err, match):
     b = toy.make(4)
