@@ -13,8 +13,9 @@ out=${1:-multirun/headline}
 limit=${2:-3600}
 extra=("${@:3}")  # more Hydra overrides for every run
 mkdir -p "$out"
-count=$(python -c "import torch; print(max(torch.cuda.device_count(), 1))")
-IFS=, read -ra devices <<<"${CUDA_VISIBLE_DEVICES:-$(seq -s, 0 $((count - 1)))}"
+# The devices to take turns on: CUDA_VISIBLE_DEVICES as given, else every GPU torch sees (0 on a CPU).
+IFS=, read -ra devices <<<"${CUDA_VISIBLE_DEVICES:-$(python -c "import torch
+print(','.join(map(str, range(max(torch.cuda.device_count(), 1)))))")}"
 run() {  # device, name, overrides...
   local device=$1 name=$2
   shift 2
