@@ -1,8 +1,11 @@
 """The policy under CUDA graph replay (run on the GPU machine: pytest -m cuda)."""
 
+import contextlib
+
 import pytest
 import torch
 
+import kernels
 from flashrt_gym.tasks import TabletopConfig
 from policies import FlowPolicy, PolicyPipeline, pi0, policy_specs, tiny, tokenizer_for
 from runtime import BufferSet, restore, snapshot
@@ -70,3 +73,25 @@ def test_snapshot_restore_between_replays_gives_identical_actions():
     p.run("draw_noise")
     p.run("denoise")
     assert torch.equal(p["actions"], want)
+
+
+@pytest.mark.parametrize("n", [1, 300])
+def test_fused_kernels_agree_with_the_references(n):
+    """The policy step with the Triton kernels (one-token and blocked launch shapes) against the
+    same step with every kernel's torch reference: bf16 throughout, so to rounding (a wiring
+    mistake is O(1))."""
+    cfg = tiny(TabletopConfig().vocabulary)
+    fused = make(cfg, n)
+    ref = make(cfg, n, fused.model)
+    z = torch.randn(fused["noise"].shape, device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    for p, reference in ((fused, False), (ref, True)):
+        with kernels.reference_only() if reference else contextlib.nullcontext():
+            p.encode_instruction()
+            for step in range(2):
+                feed(p, step)
+                p.encode_observation()
+            p["noise"].copy_(z)
+            p.denoise()
+    for name in ("kv_text", "kv_obs", "actions"):
+        got, want = fused[name].float(), ref[name].float()
+        assert (got - want).norm() < 0.03 * want.norm(), name

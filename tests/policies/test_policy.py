@@ -202,11 +202,11 @@ def test_folded_euler_loop_equals_the_unfolded_velocity_integration():
     prefix = torch.randn(n, c.depth, 2, c.kv_heads, c.prefix_tokens, c.head_dim)
     mask = torch.rand(n, c.prefix_tokens) < 0.9
     frame, noise = torch.tensor([0, 3, 7]), torch.randn(n, c.horizon, c.action_dim)
+    x = noise.clone()
+    for s in range(c.steps):  # with autograd through the weights: the training form of every layer
+        t = torch.full((n,), 1.0 - s / c.steps)
+        x = (x - model.velocity(x, t, prefix, mask, frame) / c.steps).detach()
     with torch.no_grad():
-        x = noise.clone()
-        for s in range(c.steps):
-            t = torch.full((n,), 1.0 - s / c.steps)
-            x = x - model.velocity(x, t, prefix, mask, frame) / c.steps
         folded = model.sample(noise, prefix, mask, frame)
         torch.testing.assert_close(folded, x, atol=1e-5, rtol=1e-5)
         # the folded tensors follow the weights (an in-place load bumps their versions)
