@@ -65,7 +65,8 @@ def load(
     tok = WordTokenizer.from_json((folder / TOKENIZER).read_text())
     if tok.itos != tokenizer_for(cfg).itos or tok.max_len != cfg.max_text_len:
         raise WeightsError(f"{folder / TOKENIZER} does not match the vocabulary in {folder / CONFIG}")
-    model = FlowPolicy(cfg)
+    with torch.device(device):  # initialised where it will run: the init of a pi0-sized model on a CPU takes long
+        model = FlowPolicy(cfg)
     want = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     try:
         got = load_file(folder / WEIGHTS)

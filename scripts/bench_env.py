@@ -7,7 +7,8 @@
   the kernel count of one step (kernels vs references);
 - reset latency: a capsule reset (restore pre-encoded starts) beside the cold path (simulator
   init + render + instruction prefill + encode) as the instruction context grows (random
-  weights of the tiny shape with ``max_text_len`` tokens);
+  weights with ``max_text_len`` tokens, of the tiny shape and with pi0's wide language prefix
+  and action expert, where the prefill's cost shows);
 - fork of one slot into N slots beside a device copy of the same bytes.
 
     python scripts/bench_env.py --out bench_env.json
@@ -33,7 +34,7 @@ import runtime
 from flashrt_gym import FlashRTEnv, FlashRTVectorEnv
 from flashrt_gym.engine import Engine
 from flashrt_gym.tasks import TabletopConfig
-from policies import FlowPolicy, save, tiny
+from policies import FlowPolicy, PolicyConfig, pi0, save, tiny
 
 
 def bench_steps(
@@ -92,22 +93,46 @@ def bench_nodes_and_compile(n: int, reps: int, do_compile: bool) -> dict:
     return row
 
 
-def bench_reset(lengths: list[int], reps: int) -> list[dict]:
+WIDE_FIELDS = ("width", "depth", "heads", "kv_heads", "head_dim", "mlp", "expert_width", "expert_mlp")
+
+
+def reset_config(shape: str, length: int) -> PolicyConfig:
+    """``tiny`` (the shipped policy's shape), or ``wide``: tiny's vision tower and task with pi0's
+    Gemma-2B-shaped language prefix and Gemma-300M-shaped action expert; ``length`` instruction tokens."""
+    vocab = TabletopConfig().vocabulary
+    cfg = tiny(vocab)
+    if shape == "wide":
+        cfg = dataclasses.replace(cfg, **{f: getattr(pi0(vocab), f) for f in WIDE_FIELDS})
+    return dataclasses.replace(cfg, max_text_len=length)
+
+
+def bench_reset(shapes: list[str], lengths: list[int], reps: int) -> list[dict]:
     rows = []
-    task = TabletopConfig()
-    for length in lengths:
-        with tempfile.TemporaryDirectory() as tmp:
-            torch.manual_seed(0)
-            save(FlowPolicy(dataclasses.replace(tiny(task.vocabulary), max_text_len=length)), tmp)
-            env = FlashRTVectorEnv(1, device="cuda", weights=tmp, pool_size=16)
-            env.reset(seed=0)  # builds and caches the start pool
-            capsule = wall_ms(lambda env=env: env.reset(seed=0), reps)
-            cold_engine = Engine(env.task, env.engine.model, "bench", 1)
-            cold = wall_ms(lambda e=cold_engine: e.start([0]), reps)
-        rows.append(
-            {"context_tokens": length, "capsule_reset_ms": capsule, "cold_reset_ms": cold, "speedup": cold / capsule}
-        )
-        print("reset", json.dumps(rows[-1]), flush=True)
+    for shape in shapes:
+        for length in lengths:
+            with tempfile.TemporaryDirectory() as tmp:
+                torch.manual_seed(0)
+                with torch.device("cuda"):
+                    model = FlowPolicy(reset_config(shape, length))
+                save(model, tmp, dtype=torch.bfloat16)
+                del model
+                env = FlashRTVectorEnv(1, device="cuda", weights=tmp, pool_size=16)
+                env.reset(seed=0)  # builds and caches the start pool
+                capsule = wall_ms(lambda env=env: env.reset(seed=0), reps)
+                cold_engine = Engine(env.task, env.engine.model, "bench", 1)
+                cold = wall_ms(lambda e=cold_engine: e.start([0]), reps)
+            rows.append(
+                {
+                    "shape": shape,
+                    "context_tokens": length,
+                    "capsule_reset_ms": capsule,
+                    "cold_reset_ms": cold,
+                    "speedup": cold / capsule,
+                }
+            )
+            print("reset", json.dumps(rows[-1]), flush=True)
+            del env, cold_engine
+            torch.cuda.empty_cache()
     return rows
 
 
@@ -137,6 +162,7 @@ def main() -> None:
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline (minutes)")
     ap.add_argument("--sync-envs", type=int, default=8)
     ap.add_argument("--contexts", type=int, nargs="+", default=[16, 128, 512, 2048])
+    ap.add_argument("--reset-shapes", nargs="+", choices=["tiny", "wide"], default=["tiny", "wide"])
     ap.add_argument("--forks", type=int, nargs="+", default=[1, 16, 256, 1024])
     ap.add_argument("--reps", type=int, default=20)
     args = ap.parse_args()
@@ -145,7 +171,7 @@ def main() -> None:
     result = {
         **provenance(),
         "steps": bench_steps(args.sizes, args.eager_sizes, args.reference_sizes, args.sync_envs, args.reps),
-        "reset": bench_reset(args.contexts, args.reps),
+        "reset": bench_reset(args.reset_shapes, args.contexts, args.reps),
         "fork": bench_fork(args.forks, args.reps),
     }
     args.out.write_text(json.dumps(result, indent=2))  # written before the (slow) compile baseline too
