@@ -6,16 +6,13 @@ and the tokens' own keys/values. The reference concatenates the two and calls
 ``scaled_dot_product_attention`` with a boolean mask (which rules out its fused paths); the
 kernel streams both sources through one online softmax, and since all ``h / g`` query heads of a
 key/value head share its keys, one program serves a whole group (rows = heads x tokens), so
-each key block is read once per group. When there are fewer programs than SMs (a few slots: the
-kernel is latency-bound) key blocks widen up to 256, so the context streams in one or two
-iterations instead of several. Products run on tensor cores in the inputs' dtype (bf16),
+each key block is read once per group. Products run on tensor cores in the inputs' dtype (bf16),
 in full float32 for float32 inputs. The output is written as ``(N, Tq, h, d)``: the layout
 the output projection reads. Rows with every key masked out return zeros (SDPA: NaN).
 """
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
@@ -113,12 +110,6 @@ if triton is not None:
         tl.store(dst, o.to(out.dtype.element_ty), mask=live[:, None])
 
 
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors of ``device`` (Triton's CPU interpreter: an H100's 132)."""
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
-
-
 def attention_triton(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -137,9 +128,6 @@ def attention_triton(
     group = h // g
     bm = max(16, min(64 if d <= 128 else 32, triton.next_power_of_2(group * tq)))
     bn = 64 if d <= 128 else 32
-    programs = triton.cdiv(group * tq, bm) * n * g
-    if d <= 64 and programs < _sm_count(q.device):  # latency-bound: fewer, wider key blocks
-        bn = max(bn, min(256, triton.next_power_of_2(max(tk, ctx_k.shape[2] if ctx_k is not None else 0))))
     has_ctx = ctx_k is not None
     ck, cv = (ctx_k, ctx_v) if has_ctx else (k, v)
     u8 = lambda m: None if m is None else m.view(torch.uint8)  # noqa: E731
