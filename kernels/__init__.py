@@ -8,7 +8,7 @@ references (before/after measurements in one process).
 ===============================  ========================================================================
 module                           kernels
 ===============================  ========================================================================
-``kernels.norm``                 residual add + RMSNorm
+``kernels.norm``                 residual add + RMSNorm / LayerNorm
 ``kernels.activation``           gated-MLP activation ``gelu_tanh(gate) * up``
 ``kernels.rotary``               QKV split + rotary embedding, keys/values written into cache views
 ``kernels.grouped_attention``    grouped-query attention over [context; own] without concatenation
@@ -22,7 +22,7 @@ from kernels.activation import gelu_mul
 from kernels.backend import implementation, reference_only, use_triton
 from kernels.flow import euler_step, time_embed
 from kernels.grouped_attention import attention
-from kernels.norm import add_rms_norm
+from kernels.norm import add_layer_norm, add_rms_norm
 from kernels.rng import draw_normal_
 from kernels.rotary import qkv_rope
 from kernels.slot_copy import masked_copy_rows, masked_copy_rows_reference, scatter_rows
@@ -30,6 +30,7 @@ from kernels.slot_copy import masked_copy_rows, masked_copy_rows_reference, scat
 __version__ = "0.2.0"  # bump when a kernel's numerics change: capsules name the version they were made with
 
 __all__ = [
+    "add_layer_norm",
     "add_rms_norm",
     "attention",
     "draw_normal_",

@@ -1,15 +1,20 @@
-"""RMSNorm, optionally fused with the residual add before it.
+"""RMSNorm and LayerNorm, each fused with the residual add before it.
 
-``add_rms_norm(x, delta, weight)`` returns ``(h, y)`` with ``h = x + delta`` (the new residual
-stream) and ``y = rms_norm(h) * weight``; with ``delta=None`` it is a plain RMSNorm and ``h`` is
-``x``. Rounding follows the reference: the sum is rounded to the input dtype, the statistics
-are taken in float32, the normalised row is rounded to the input dtype before the weight.
-One program per row; the row is read once and written once (twice with the residual).
+``add_rms_norm(x, delta, weight)`` and ``add_layer_norm(x, delta, weight, bias)`` return
+``(h, y)``: ``h = x + delta`` (the new residual stream) and ``y = norm(h)``; with ``delta=None``
+``h`` is ``x``. ``delta`` either has x's shape (a block's output, added where the next norm
+reads it) or x's trailing shape, broadcast over the leading dims (e.g. a position embedding
+shared by every slot). Rounding follows the references: the sum is rounded to the input dtype
+and the statistics are taken in float32; RMSNorm rounds the normalised row to the input dtype
+before the weight (as the Gemma-style reference does), LayerNorm rounds once at the end (as
+``F.layer_norm`` does). A program takes several short rows; each row is read once and written
+once (twice with the residual).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from kernels.backend import tl, triton, use_triton
 
@@ -23,61 +28,116 @@ def add_rms_norm_reference(
     return h, (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)).to(h.dtype) * weight
 
 
+def add_layer_norm_reference(
+    x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Torch reference: ``h = x + delta``; ``y = F.layer_norm(h, weight, bias)``."""
+    h = x if delta is None else x + delta
+    return h, F.layer_norm(h, h.shape[-1:], weight, bias, eps)
+
+
 if triton is not None:
 
     @triton.jit
-    def _add_rms_norm_kernel(x, delta, weight, h_out, y_out, width, eps, HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr):
-        row = tl.program_id(0).to(tl.int64)
+    def _add_norm_kernel(
+        x, delta, weight, bias, h_out, y_out, rows, delta_rows, width, eps,
+        HAS_DELTA: tl.constexpr, LAYER: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
+    ):  # fmt: skip
+        row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
         cols = tl.arange(0, BLOCK)
-        inside = cols < width
-        h = tl.load(x + row * width + cols, mask=inside, other=0.0)
-        if HAS_DELTA:
-            h = (h.to(tl.float32) + tl.load(delta + row * width + cols, mask=inside, other=0.0).to(tl.float32)).to(
-                h.dtype
-            )
-            tl.store(h_out + row * width + cols, h, mask=inside)
+        inside = cols[None, :] < width
+        m = (row < rows)[:, None] & inside
+        off = row[:, None] * width + cols[None, :]
+        h = tl.load(x + off, mask=m, other=0.0)
+        if HAS_DELTA:  # delta's rows repeat every delta_rows rows of x (a broadcast over leading dims)
+            d = tl.load(delta + (row % delta_rows)[:, None] * width + cols[None, :], mask=m, other=0.0)
+            h = (h.to(tl.float32) + d.to(tl.float32)).to(h.dtype)
+            tl.store(h_out + off, h, mask=m)
         hf = h.to(tl.float32)
-        r = 1.0 / tl.sqrt(tl.sum(hf * hf, axis=0) / width + eps)
-        w = tl.load(weight + cols, mask=inside, other=0.0).to(tl.float32)
-        y = (hf * r).to(h.dtype).to(tl.float32) * w
-        tl.store(y_out + row * width + cols, y.to(h.dtype), mask=inside)
+        w = tl.load(weight + cols, mask=cols < width, other=0.0).to(tl.float32)[None, :]
+        if LAYER:
+            c = tl.where(inside, hf - (tl.sum(hf, axis=1) / width)[:, None], 0.0)
+            r = 1.0 / tl.sqrt(tl.sum(c * c, axis=1) / width + eps)
+            y = c * r[:, None] * w + tl.load(bias + cols, mask=cols < width, other=0.0).to(tl.float32)[None, :]
+        else:
+            r = 1.0 / tl.sqrt(tl.sum(hf * hf, axis=1) / width + eps)
+            y = (hf * r[:, None]).to(h.dtype).to(tl.float32) * w
+        tl.store(y_out + off, y.to(h.dtype), mask=m)
+
+
+def _add_norm_triton(
+    x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor | None, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    width = x.shape[-1]
+    x = x.contiguous()
+    h = x if delta is None else torch.empty_like(x)
+    y = torch.empty_like(x)
+    rows = x.numel() // width if width else 0
+    if rows:
+        block = triton.next_power_of_2(width)
+        per_program = max(1, min(16, 2048 // block))  # short rows: several a program
+        _add_norm_kernel[(triton.cdiv(rows, per_program),)](
+            x,
+            x if delta is None else delta.contiguous(),
+            weight,
+            weight if bias is None else bias,
+            h,
+            y,
+            rows,
+            1 if delta is None else delta.numel() // width,
+            width,
+            eps,
+            HAS_DELTA=delta is not None,
+            LAYER=bias is not None,
+            ROWS=per_program,
+            BLOCK=block,
+            num_warps=4 if block <= 2048 else 8,
+        )
+    return h, y
 
 
 def add_rms_norm_triton(
     x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The Triton kernel (contiguous rows; called by :func:`add_rms_norm` on CUDA)."""
-    width = x.shape[-1]
-    x = x.contiguous()
-    h = x if delta is None else torch.empty_like(x)
-    y = torch.empty_like(x)
-    rows = x.numel() // width
-    if rows:
-        _add_rms_norm_kernel[(rows,)](
-            x,
-            x if delta is None else delta.contiguous(),
-            weight,
-            h,
-            y,
-            width,
-            eps,
-            HAS_DELTA=delta is not None,
-            BLOCK=triton.next_power_of_2(width),
-            num_warps=4 if width <= 2048 else 8,
-        )
-    return h, y
+    """The Triton kernel (called by :func:`add_rms_norm` on CUDA)."""
+    return _add_norm_triton(x, delta, weight, None, eps)
+
+
+def add_layer_norm_triton(
+    x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Triton kernel (called by :func:`add_layer_norm` on CUDA)."""
+    return _add_norm_triton(x, delta, weight, bias, eps)
+
+
+def _check(name: str, x: torch.Tensor, delta: torch.Tensor | None, *params: torch.Tensor) -> None:
+    if delta is not None and (delta.dim() > x.dim() or delta.shape != x.shape[x.dim() - delta.dim() :]):
+        raise ValueError(f"{name}: delta {tuple(delta.shape)} must match x {tuple(x.shape)} or its trailing dims")
+    for p in params:
+        if p.shape != x.shape[-1:]:
+            raise ValueError(f"{name}: weight and bias must be ({x.shape[-1]},), got {tuple(p.shape)}")
 
 
 def add_rms_norm(
     x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float = 1e-6
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(h, y)``: the residual sum ``h = x + delta`` (``x`` if ``delta`` is None) and its RMSNorm
-    times ``weight``, over the last dimension. x, delta ``(..., W)`` of one dtype, weight ``(W,)``."""
-    if delta is not None and delta.shape != x.shape:
-        raise ValueError(f"add_rms_norm: delta {tuple(delta.shape)} must match x {tuple(x.shape)}")
-    if weight.shape != x.shape[-1:]:
-        raise ValueError(f"add_rms_norm: weight {tuple(weight.shape)} must be ({x.shape[-1]},)")
+    times ``weight``, over the last dimension. x ``(..., W)``, delta x's shape or its trailing
+    dims, of x's dtype; weight ``(W,)``."""
+    _check("add_rms_norm", x, delta, weight)
     tensors = (x, weight) if delta is None else (x, delta, weight)
     if use_triton(*tensors) and x.dtype == weight.dtype:
         return add_rms_norm_triton(x, delta, weight, eps)
     return add_rms_norm_reference(x, delta, weight, eps)
+
+
+def add_layer_norm(
+    x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor, eps: float = 1e-6
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(h, y)``: the residual sum ``h = x + delta`` (``x`` if ``delta`` is None) and its
+    LayerNorm with ``weight`` and ``bias``, over the last dimension. Shapes as :func:`add_rms_norm`."""
+    _check("add_layer_norm", x, delta, weight, bias)
+    tensors = (x, weight, bias) if delta is None else (x, delta, weight, bias)
+    if use_triton(*tensors) and x.dtype == weight.dtype == bias.dtype:
+        return add_layer_norm_triton(x, delta, weight, bias, eps)
+    return add_layer_norm_reference(x, delta, weight, bias, eps)

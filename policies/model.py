@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import add_rms_norm, attention, euler_step, gelu_mul, qkv_rope, time_embed
+from kernels import add_layer_norm, add_rms_norm, attention, euler_step, gelu_mul, qkv_rope, time_embed
 from policies.config import PolicyConfig
 
 
@@ -119,8 +119,18 @@ class DecoderLayer(nn.Module):
         return torch.addmm(x.view(n * t, w), act.view(n * t, -1), self.down.weight.t()).view(n, t, w), k, v
 
 
+def layer_norm(norm: nn.LayerNorm, x: torch.Tensor, delta: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x + delta, norm(x + delta))`` (one fused kernel on CUDA)."""
+    return add_layer_norm(x, delta, norm.weight, norm.bias, norm.eps)
+
+
 class VisionBlock(nn.Module):
-    """SigLIP-shaped encoder block: LayerNorm, full multi-head attention, GELU MLP."""
+    """SigLIP-shaped encoder block: LayerNorm, full multi-head attention, GELU MLP.
+
+    The residual stream arrives as ``x + delta``, the previous block's MLP output not yet added:
+    each add runs inside the norm kernel that reads its sum (so does the position embedding's,
+    in the first block).
+    """
 
     def __init__(self, width: int, heads: int, mlp: int) -> None:
         super().__init__()
@@ -130,11 +140,16 @@ class VisionBlock(nn.Module):
         self.o = nn.Linear(width, width)
         self.fc1, self.fc2 = nn.Linear(width, mlp), nn.Linear(mlp, width)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, delta: torch.Tensor | None, patches: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """x (N, C*P, W) and the pending ``delta`` (x's shape or its trailing dims) -> the block's
+        output as the same pair (the stream is their sum); attention runs within each image of
+        ``patches`` tokens."""
         n, t, w = x.shape
-        q, k, v = self.qkv(self.norm1(x)).view(n, t, 3, self.heads, w // self.heads).permute(2, 0, 3, 1, 4)
-        x = x + self.o(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).flatten(2))
-        return x + self.fc2(F.gelu(self.fc1(self.norm2(x)), approximate="tanh"))
+        x, h = layer_norm(self.norm1, x, delta)
+        q, k, v = self.qkv(h).view(n * t // patches, patches, 3, self.heads, w // self.heads).permute(2, 0, 3, 1, 4)
+        attn = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(n, t, w)
+        x, h = layer_norm(self.norm2, x, self.o(attn))
+        return x, self.fc2(F.gelu(self.fc1(h), approximate="tanh"))
 
 
 def sincos(t: torch.Tensor, dim: int, min_period: float = 4e-3, max_period: float = 4.0) -> torch.Tensor:
@@ -238,10 +253,11 @@ class FlowPolicy(nn.Module):
         n, ps, g = image.shape[0], c.patch_size, c.image_size // c.patch_size
         x = image.to(self.dtype) * (2.0 / 255.0) - 1.0
         x = x.view(n * c.num_cameras, g, ps, g, ps, 3).permute(0, 1, 3, 2, 4, 5).reshape(n * c.num_cameras, g * g, -1)
-        x = self.patch_embed(x) + self.vision_pos.repeat(n, 1, 1)
+        x = self.patch_embed(x).view(n, c.num_cameras * c.patches, -1)  # (N, C*P, Wv)
+        delta = self.vision_pos.view(c.num_cameras * c.patches, -1)  # added to every slot by the first norm
         for block in self.vision:
-            x = block(x)
-        x = self.projector(self.vision_norm(x)).view(n, c.num_cameras * c.patches, c.width)
+            x, delta = block(x, delta, c.patches)
+        x = self.projector(layer_norm(self.vision_norm, x, delta)[1])
         return torch.cat([x, self.proprio_proj(proprio.to(self.dtype))[:, None]], dim=1)
 
     def encode_frame(

@@ -11,7 +11,14 @@ import torch
 from kernels.activation import gelu_mul_reference, gelu_mul_triton
 from kernels.flow import euler_step_reference, euler_step_triton, time_embed_reference, time_embed_triton
 from kernels.grouped_attention import attention_reference, attention_triton
-from kernels.norm import add_rms_norm_reference, add_rms_norm_triton
+from kernels.norm import (
+    add_layer_norm,
+    add_layer_norm_reference,
+    add_layer_norm_triton,
+    add_rms_norm,
+    add_rms_norm_reference,
+    add_rms_norm_triton,
+)
 from kernels.rng import draw_normal_reference, draw_normal_triton
 from kernels.rotary import qkv_rope_reference, qkv_rope_triton
 from tests.kernels.kernel_devices import DEVICES, poison_allocator
@@ -28,19 +35,33 @@ def close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype, scale: floa
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("width", [192, 256, 1000])
-def test_add_rms_norm(device, width):
+@pytest.mark.parametrize(("rows", "width"), [(7, 192), (21, 256), (5, 1000), (300, 256)])
+def test_add_rms_norm_and_add_layer_norm(device, rows, width):
+    """Full-shape and broadcast residuals, several rows a program with a ragged end."""
     g = torch.Generator(device=device).manual_seed(width)
     for dtype in dtypes(device):
-        x = torch.randn(3, 7, width, device=device, generator=g).to(dtype)
-        delta = torch.randn(3, 7, width, device=device, generator=g).to(dtype)
-        w = (1 + 0.1 * torch.randn(width, device=device, generator=g)).to(dtype)
-        for d in (None, delta):
+        x = (1 + torch.randn(3, rows, width, device=device, generator=g)).to(dtype)
+        full = torch.randn(3, rows, width, device=device, generator=g).to(dtype)
+        w, b = ((1 + 0.1 * torch.randn(width, device=device, generator=g)).to(dtype) for _ in range(2))
+        for d in (None, full, full[0]):  # full[0]: (rows, W), repeated for each of the 3 leading rows
             poison_allocator(device)
             h, y = add_rms_norm_triton(x, d, w, 1e-6)
             h_ref, y_ref = add_rms_norm_reference(x, d, w, 1e-6)
             assert torch.equal(h, h_ref)  # the residual sum is rounded exactly as torch does
             close(y, y_ref, dtype)
+            poison_allocator(device)
+            h, y = add_layer_norm_triton(x, d, w, b, 1e-5)
+            h_ref, y_ref = add_layer_norm_reference(x, d, w, b, 1e-5)
+            assert torch.equal(h, h_ref)
+            close(y, y_ref, dtype)
+
+
+def test_norm_residuals_must_match_x_or_its_trailing_dims():
+    x, w = torch.zeros(2, 3, 8), torch.ones(8)
+    with pytest.raises(ValueError, match="trailing dims"):
+        add_layer_norm(x, torch.zeros(2, 8), w, w)
+    with pytest.raises(ValueError, match=r"must be \(8,\)"):
+        add_rms_norm(x, None, torch.ones(4))
 
 
 @pytest.mark.parametrize("device", DEVICES)
