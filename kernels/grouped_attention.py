@@ -6,13 +6,17 @@ and the tokens' own keys/values. The reference concatenates the two and calls
 ``scaled_dot_product_attention`` with a boolean mask (which rules out its fused paths); the
 kernel streams both sources through one online softmax, and since all ``h / g`` query heads of a
 key/value head share its keys, one program serves a whole group (rows = heads x tokens), so
-each key block is read once per group. Products run on tensor cores in the inputs' dtype (bf16),
+each key block is read once per group. With at least as many programs as SMs (many slots) the
+key blocks are narrower (32 keys) and the programs smaller (2 warps for 32 rows): more of them
+fit on an SM (docs/PERFORMANCE.md has the before and after). Products run on tensor cores in the
+inputs' dtype (bf16),
 in full float32 for float32 inputs. The output is written as ``(N, Tq, h, d)``: the layout
 the output projection reads. Rows with every key masked out return zeros (SDPA: NaN).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -110,6 +114,12 @@ if triton is not None:
         tl.store(dst, o.to(out.dtype.element_ty), mask=live[:, None])
 
 
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device`` (Triton's CPU interpreter: an H100's 132)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+
+
 def attention_triton(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -127,7 +137,9 @@ def attention_triton(
     out = q.new_empty((n, tq, h, d))
     group = h // g
     bm = max(16, min(64 if d <= 128 else 32, triton.next_power_of_2(group * tq)))
-    bn = 64 if d <= 128 else 32
+    bn, warps = (64, 4) if d <= 128 else (32, 8)
+    if d <= 64 and triton.cdiv(group * tq, bm) * n * g >= _sm_count(q.device):  # throughput-bound: many programs
+        bn, warps = 32, 2 if bm <= 32 else 4  # the fastest launch shape at 1024 and 4096 slots on an H200
     has_ctx = ctx_k is not None
     ck, cv = (ctx_k, ctx_v) if has_ctx else (k, v)
     u8 = lambda m: None if m is None else m.view(torch.uint8)  # noqa: E731
@@ -141,7 +153,7 @@ def attention_triton(
             *ck.stride()[:3], *cv.stride()[:3], 0 if cm8 is None else cm8.stride(0),
             HAS_CTX=has_ctx, HAS_MASK=m8 is not None, HAS_CMASK=cm8 is not None,
             BM=bm, BN=bn, D=d, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-            num_warps=4 if d <= 128 else 8,
+            num_warps=warps,
         )  # fmt: skip
     return out
 

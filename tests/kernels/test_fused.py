@@ -96,18 +96,19 @@ def test_qkv_rope_writes_rotated_heads_into_a_cache_view(device, heads, kv_heads
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(
-    ("heads", "kv_heads", "tq", "tk", "tc", "d"),
+    ("heads", "kv_heads", "tq", "tk", "tc", "d", "n"),
     [
-        (4, 1, 8, 8, 146, 64),
-        (4, 1, 65, 65, 81, 64),
-        (4, 1, 16, 16, 0, 64),
-        (8, 2, 50, 50, 130, 128),
-        (2, 2, 3, 5, 7, 16),
+        (4, 1, 8, 8, 146, 64, 3),
+        (4, 1, 8, 8, 146, 64, 200),  # more programs than SMs: the throughput launch shape
+        (4, 1, 65, 65, 81, 64, 3),
+        (4, 1, 65, 65, 81, 64, 40),
+        (4, 1, 16, 16, 0, 64, 3),
+        (8, 2, 50, 50, 130, 128, 3),
+        (2, 2, 3, 5, 7, 16, 3),
     ],
 )
-def test_attention_over_context_and_own_keys(device, heads, kv_heads, tq, tk, tc, d):
+def test_attention_over_context_and_own_keys(device, heads, kv_heads, tq, tk, tc, d, n):
     g = torch.Generator(device=device).manual_seed(tq * 1000 + tc)
-    n = 3
     for dtype in dtypes(device):
         rnd = lambda *s, dt=dtype: torch.randn(*s, device=device, generator=g).to(dt)  # noqa: E731
         q = rnd(n, tq, heads, d).transpose(1, 2)  # strided, as the projection lays it out
