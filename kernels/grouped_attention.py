@@ -9,9 +9,9 @@ key/value head share its keys, one program serves a whole group (rows = heads x 
 each key block is read once per group. With at least as many programs as SMs (many slots) the
 key blocks are narrower (32 keys) and the programs smaller (2 warps for 32 rows): more of them
 fit on an SM (docs/PERFORMANCE.md has the before and after). Products run on tensor cores in the
-inputs' dtype (bf16),
-in full float32 for float32 inputs. The output is written as ``(N, Tq, h, d)``: the layout
-the output projection reads. Rows with every key masked out return zeros (SDPA: NaN).
+inputs' dtype (bf16), in full float32 for float32 inputs. The output is written as
+``(N, Tq, h, d)``: the layout the output projection reads. Rows with every key masked out
+return zeros (SDPA: NaN).
 """
 
 from __future__ import annotations
