@@ -20,6 +20,7 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -116,6 +117,7 @@ def bench_reset(shapes: list[str], lengths: list[int], reps: int) -> list[dict]:
                     model = FlowPolicy(reset_config(shape, length))
                 save(model, tmp, dtype=torch.bfloat16)
                 del model
+                os.sync()  # the wide weights are GBs: their writeback must not compete with the timed calls
                 env = FlashRTVectorEnv(1, device="cuda", weights=tmp, pool_size=16)
                 env.reset(seed=0)  # builds and caches the start pool
                 capsule = wall_ms(lambda env=env: env.reset(seed=0), reps)
