@@ -137,14 +137,14 @@ def attention_triton(
     out = q.new_empty((n, tq, h, d))
     group = h // g
     bm = max(16, min(64 if d <= 128 else 32, triton.next_power_of_2(group * tq)))
+    grid = (triton.cdiv(group * tq, bm), n * g)
     bn, warps = (64, 4) if d <= 128 else (32, 8)
-    if d <= 64 and triton.cdiv(group * tq, bm) * n * g >= _sm_count(q.device):  # throughput-bound: many programs
+    if d <= 64 and grid[0] * grid[1] >= _sm_count(q.device):  # throughput-bound: many programs
         bn, warps = 32, 2 if bm <= 32 else 4  # the fastest launch shape at 1024 and 4096 slots on an H200
     has_ctx = ctx_k is not None
     ck, cv = (ctx_k, ctx_v) if has_ctx else (k, v)
     u8 = lambda m: None if m is None else m.view(torch.uint8)  # noqa: E731
     m8, cm8 = u8(mask), u8(ctx_mask)
-    grid = (triton.cdiv(group * tq, bm), n * g)
     if n * tq:
         _attention_kernel[grid](
             q, k, v, q if m8 is None else m8, ck, cv, q if cm8 is None else cm8, out,
