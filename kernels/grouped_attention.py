@@ -1,28 +1,44 @@
-"""Grouped-query attention over a context block and the queries' own block, no concatenation.
+"""Grouped-query attention over context segments and the queries' own block, no concatenation.
 
-The policy's queries attend to keys/values of two sources that live in different buffers:
-a context (instruction, history ring and newest frame: fixed during a chunk's 10 Euler steps)
-and the tokens' own keys/values. The reference concatenates the two and calls
+The policy's queries attend to keys/values that live in different buffers: context segments
+(instruction, history ring and newest frame: fixed during a chunk's 10 Euler steps) and the
+tokens' own keys/values. The reference concatenates them and calls
 ``scaled_dot_product_attention`` with a boolean mask (which rules out its fused paths); the
-kernel streams both sources through one online softmax, and since all ``h / g`` query heads of a
-key/value head share its keys, one program serves a whole group (rows = heads x tokens), so
-each key block is read once per group. With at least as many programs as SMs (many slots) the
-key blocks are narrower (32 keys) and the programs smaller (2 warps for 32 rows): more of them
-fit on an SM (docs/PERFORMANCE.md has the before and after). Products run on tensor cores in the
-inputs' dtype (bf16), in full float32 for float32 inputs. The output is written as
-``(N, Tq, h, d)``: the layout the output projection reads. Rows with every key masked out
-return zeros (SDPA: NaN).
+kernel streams up to three context segments and the own block through one online softmax, each
+read in place with its own strides and mask, and since all ``h / g`` query heads of a key/value
+head share its keys, one program serves a whole group (rows = heads x tokens), so each key block
+is read once per group. With at least as many programs as SMs (many slots) the key blocks are
+narrower (32 keys) and the programs smaller (2 warps for 32 rows): more of them fit on an SM
+(docs/PERFORMANCE.md has the before and after). Products run on tensor cores in the inputs'
+dtype (bf16), in full float32 for float32 inputs. The output is written as ``(N, Tq, h, d)``:
+the layout the output projection reads. Rows with every key masked out return zeros (SDPA: NaN).
 """
 
 from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 
 from kernels.backend import tl, triton, use_triton
+
+Segment = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
+"""A context segment: keys and values ``(N, g, T, d)`` and a bool mask ``(N, T)`` (None: all
+keys valid; any strides, e.g. an expanded per-slot flag)."""
+
+MAX_SEGMENTS = 3  # context segments one kernel launch reads in place; more are concatenated first
+
+
+def _concat(context: Sequence[Segment]) -> Segment:
+    """One segment holding ``context``'s keys, values and masks in order."""
+    cat = lambda i: torch.cat([seg[i] for seg in context], 2)  # noqa: E731
+    if all(m is None for _, _, m in context):
+        return cat(0), cat(1), None
+    ones = lambda k: torch.ones(k.shape[0], k.shape[2], dtype=torch.bool, device=k.device)  # noqa: E731
+    return cat(0), cat(1), torch.cat([ones(k) if m is None else m for k, _, m in context], 1)
 
 
 def attention_reference(
@@ -30,16 +46,11 @@ def attention_reference(
     k: torch.Tensor,
     v: torch.Tensor,
     mask: torch.Tensor | None,
-    ctx_k: torch.Tensor | None = None,
-    ctx_v: torch.Tensor | None = None,
-    ctx_mask: torch.Tensor | None = None,
+    context: Sequence[Segment] = (),
 ) -> torch.Tensor:
     """Torch reference of :func:`attention` (concatenation + SDPA)."""
-    if ctx_k is not None:
-        n, tk = k.shape[0], k.shape[2]
-        own = torch.ones(n, tk, dtype=torch.bool, device=k.device) if mask is None else mask
-        ctx = torch.ones(n, ctx_k.shape[2], dtype=torch.bool, device=k.device) if ctx_mask is None else ctx_mask
-        k, v, mask = torch.cat([ctx_k, k], 2), torch.cat([ctx_v, v], 2), torch.cat([ctx, own], 1)
+    if context:
+        k, v, mask = _concat([*context, (k, v, mask)])
     m = None if mask is None else mask[:, None, None, :]
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=m, enable_gqa=q.shape[1] != k.shape[1])
     return out.transpose(1, 2)
@@ -49,8 +60,8 @@ if triton is not None:
 
     @triton.jit
     def _source(
-        acc, m_i, l_i, qb, k, v, mask, n, kvh, tk,
-        sk_n, sk_g, sk_t, sv_n, sv_g, sv_t, sm_n, scale,
+        acc, m_i, l_i, qb, n, kvh, scale, k, v, mask, tk,
+        sk_n, sk_g, sk_t, sv_n, sv_g, sv_t, sm_n, sm_t,
         HAS_MASK: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, PRECISION: tl.constexpr,
     ):  # fmt: skip
         dims = tl.arange(0, D)
@@ -63,7 +74,7 @@ if triton is not None:
             s = tl.dot(qb, tl.trans(kb), input_precision=PRECISION) * scale  # (BM, BN), log2 units
             valid = inside
             if HAS_MASK:
-                valid = valid & (tl.load(mask + n * sm_n + cols, mask=inside, other=0) != 0)
+                valid = valid & (tl.load(mask + n * sm_n + cols * sm_t, mask=inside, other=0) != 0)
             s = tl.where(valid[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -79,13 +90,17 @@ if triton is not None:
 
     @triton.jit
     def _attention_kernel(
-        q, k, v, mask, ck, cv, cmask, out,
-        TQ, H, G, TK, TC, scale,
-        sq_n, sq_h, sq_t, sk_n, sk_g, sk_t, sv_n, sv_g, sv_t, sm_n,
-        sck_n, sck_g, sck_t, scv_n, scv_g, scv_t, scm_n,
-        HAS_CTX: tl.constexpr, HAS_MASK: tl.constexpr, HAS_CMASK: tl.constexpr,
-        BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, PRECISION: tl.constexpr,
+        q, out, TQ, H, G, scale, sq_n, sq_h, sq_t,
+        k0, v0, m0, t0, sk0_n, sk0_g, sk0_t, sv0_n, sv0_g, sv0_t, sm0_n, sm0_t,
+        k1, v1, m1, t1, sk1_n, sk1_g, sk1_t, sv1_n, sv1_g, sv1_t, sm1_n, sm1_t,
+        k2, v2, m2, t2, sk2_n, sk2_g, sk2_t, sv2_n, sv2_g, sv2_t, sm2_n, sm2_t,
+        k3, v3, m3, t3, sk3_n, sk3_g, sk3_t, sv3_n, sv3_g, sv3_t, sm3_n, sm3_t,
+        SOURCES: tl.constexpr, MASKED: tl.constexpr, BM: tl.constexpr,
+        BN0: tl.constexpr, BN1: tl.constexpr, BN2: tl.constexpr, BN3: tl.constexpr,
+        D: tl.constexpr, PRECISION: tl.constexpr,
     ):  # fmt: skip
+        # Sources 0 .. SOURCES-1 in token order (context segments, then the own block), source i
+        # read in blocks of BNi keys; bit i of MASKED: source i has a mask.
         pid_nk = tl.program_id(1)
         n = (pid_nk // (H // G)).to(tl.int64)  # G = h / g query heads per key/value head
         kvh = pid_nk % (H // G)
@@ -100,15 +115,25 @@ if triton is not None:
         acc = tl.zeros((BM, D), dtype=tl.float32)
         m_i = tl.full((BM,), float("-inf"), tl.float32)
         l_i = tl.zeros((BM,), dtype=tl.float32)
-        if HAS_CTX:
-            acc, m_i, l_i = _source(
-                acc, m_i, l_i, qb, ck, cv, cmask, n, kvh, TC,
-                sck_n, sck_g, sck_t, scv_n, scv_g, scv_t, scm_n, scale, HAS_CMASK, BN, D, PRECISION,
-            )  # fmt: skip
         acc, m_i, l_i = _source(
-            acc, m_i, l_i, qb, k, v, mask, n, kvh, TK, sk_n, sk_g, sk_t, sv_n, sv_g, sv_t, sm_n, scale, HAS_MASK, BN, D,
-            PRECISION,
+            acc, m_i, l_i, qb, n, kvh, scale, k0, v0, m0, t0, sk0_n, sk0_g, sk0_t, sv0_n, sv0_g, sv0_t, sm0_n, sm0_t,
+            MASKED & 1, BN0, D, PRECISION,
         )  # fmt: skip
+        if SOURCES > 1:
+            acc, m_i, l_i = _source(
+                acc, m_i, l_i, qb, n, kvh, scale, k1, v1, m1, t1, sk1_n, sk1_g, sk1_t, sv1_n, sv1_g, sv1_t,
+                sm1_n, sm1_t, MASKED & 2, BN1, D, PRECISION,
+            )  # fmt: skip
+        if SOURCES > 2:
+            acc, m_i, l_i = _source(
+                acc, m_i, l_i, qb, n, kvh, scale, k2, v2, m2, t2, sk2_n, sk2_g, sk2_t, sv2_n, sv2_g, sv2_t,
+                sm2_n, sm2_t, MASKED & 4, BN2, D, PRECISION,
+            )  # fmt: skip
+        if SOURCES > 3:
+            acc, m_i, l_i = _source(
+                acc, m_i, l_i, qb, n, kvh, scale, k3, v3, m3, t3, sk3_n, sk3_g, sk3_t, sv3_n, sv3_g, sv3_t,
+                sm3_n, sm3_t, MASKED & 8, BN3, D, PRECISION,
+            )  # fmt: skip
         o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         dst = out + ((n * TQ + t[:, None]) * H + head[:, None]) * D + dims[None, :]
         tl.store(dst, o.to(out.dtype.element_ty), mask=live[:, None])
@@ -125,35 +150,36 @@ def attention_triton(
     k: torch.Tensor,
     v: torch.Tensor,
     mask: torch.Tensor | None,
-    ctx_k: torch.Tensor | None = None,
-    ctx_v: torch.Tensor | None = None,
-    ctx_mask: torch.Tensor | None = None,
+    context: Sequence[Segment] = (),
 ) -> torch.Tensor:
     """The Triton kernel (called by :func:`attention` on CUDA)."""
     n, h, tq, d = q.shape
-    g, tk = k.shape[1], k.shape[2]
-    if d & (d - 1) or d < 16 or any(x is not None and x.stride(-1) != 1 for x in (q, k, v, ctx_k, ctx_v)):
-        return attention_reference(q, k, v, mask, ctx_k, ctx_v, ctx_mask)
+    g = k.shape[1]
+    if len(context) > MAX_SEGMENTS:
+        context = [_concat(context)]
+    sources = [*context, (k, v, mask)]
+    if d & (d - 1) or d < 16 or any(x.stride(-1) != 1 for x in (q, *(t for s in sources for t in s[:2]))):
+        return attention_reference(q, k, v, mask, context)
     out = q.new_empty((n, tq, h, d))
     group = h // g
     bm = max(16, min(64 if d <= 128 else 32, triton.next_power_of_2(group * tq)))
     grid = (triton.cdiv(group * tq, bm), n * g)
-    bn, warps = (64, 4) if d <= 128 else (32, 8)
+    bn, warps = (128 if d <= 64 else 64, 4) if d <= 128 else (32, 8)  # latency-bound: few programs, wide blocks
     if d <= 64 and grid[0] * grid[1] >= _sm_count(q.device):  # throughput-bound: many programs
         bn, warps = 32, 2 if bm <= 32 else 4  # the fastest launch shape at 1024 and 4096 slots on an H200
-    has_ctx = ctx_k is not None
-    ck, cv = (ctx_k, ctx_v) if has_ctx else (k, v)
-    u8 = lambda m: None if m is None else m.view(torch.uint8)  # noqa: E731
-    m8, cm8 = u8(mask), u8(ctx_mask)
+    args, masked, blocks = [], 0, []
+    for i, (sk, sv, sm) in enumerate([*sources, *[sources[-1]] * (MAX_SEGMENTS + 1 - len(sources))]):
+        m8 = q if sm is None else sm.view(torch.uint8)  # any tensor stands in for an absent mask
+        masked |= (sm is not None) << i
+        sm_strides = (0, 0) if sm is None else m8.stride()
+        args += [sk, sv, m8, sk.shape[2], *sk.stride()[:3], *sv.stride()[:3], *sm_strides]
+        blocks.append(min(bn, max(16, triton.next_power_of_2(sk.shape[2]))))  # a short source: one block
     if n * tq:
         _attention_kernel[grid](
-            q, k, v, q if m8 is None else m8, ck, cv, q if cm8 is None else cm8, out,
-            tq, h, group, tk, ck.shape[2] if has_ctx else 0, math.log2(math.e) / math.sqrt(d),
-            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], 0 if m8 is None else m8.stride(0),
-            *ck.stride()[:3], *cv.stride()[:3], 0 if cm8 is None else cm8.stride(0),
-            HAS_CTX=has_ctx, HAS_MASK=m8 is not None, HAS_CMASK=cm8 is not None,
-            BM=bm, BN=bn, D=d, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-            num_warps=warps,
+            q, out, tq, h, group, math.log2(math.e) / math.sqrt(d), *q.stride()[:3], *args,
+            SOURCES=len(sources), MASKED=masked & ((1 << len(sources)) - 1), BM=bm,
+            BN0=blocks[0], BN1=blocks[1], BN2=blocks[2], BN3=blocks[3], D=d,
+            PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=warps,
         )  # fmt: skip
     return out
 
@@ -163,18 +189,17 @@ def attention(
     k: torch.Tensor,
     v: torch.Tensor,
     mask: torch.Tensor | None,
-    ctx_k: torch.Tensor | None = None,
-    ctx_v: torch.Tensor | None = None,
-    ctx_mask: torch.Tensor | None = None,
+    context: Sequence[Segment] = (),
 ) -> torch.Tensor:
-    """Softmax attention of queries over [context; own] keys/values.
+    """Softmax attention of queries over [context segments; own] keys/values.
 
     Args:
         q: ``(N, h, Tq, d)`` queries (any strides, unit last stride).
         k, v: ``(N, g, Tk, d)`` the queries' own keys/values; ``h`` a multiple of ``g``.
         mask: ``(N, Tk)`` bool, True where an own key may be attended (None: all).
-        ctx_k, ctx_v: optional ``(N, g, Tc, d)`` context keys/values, attended before the own.
-        ctx_mask: ``(N, Tc)`` bool for the context (None: all).
+        context: segments ``(k_i, v_i, mask_i)`` with ``(N, g, T_i, d)`` keys/values and an
+            ``(N, T_i)`` bool mask or None, attended before the own keys, in order; each is read
+            in place (up to three per launch, more are concatenated first).
 
     Returns:
         ``(N, Tq, h, d)`` (a view with that shape from the reference).
@@ -182,11 +207,13 @@ def attention(
     n, h, _, d = q.shape
     if k.shape[0] != n or k.shape[3] != d or v.shape != k.shape or h % k.shape[1]:
         raise ValueError(f"attention: q {tuple(q.shape)} does not fit k {tuple(k.shape)} / v {tuple(v.shape)}")
-    if (ctx_k is None) != (ctx_v is None):
-        raise ValueError("attention: give both ctx_k and ctx_v, or neither")
-    if ctx_k is not None and (ctx_k.shape[:2] != k.shape[:2] or ctx_k.shape[3] != d or ctx_v.shape != ctx_k.shape):
-        raise ValueError(f"attention: context {tuple(ctx_k.shape)} does not fit k {tuple(k.shape)}")
-    extra = [x for x in (mask, ctx_k, ctx_v, ctx_mask) if x is not None]
+    for i, (ck, cv, cm) in enumerate(context):
+        if ck.shape[:2] != k.shape[:2] or ck.shape[3] != d or cv.shape != ck.shape:
+            raise ValueError(f"attention: context segment {i} {tuple(ck.shape)} does not fit k {tuple(k.shape)}")
+        if cm is not None and cm.shape != ck.shape[:1] + ck.shape[2:3]:
+            want = (ck.shape[0], ck.shape[2])
+            raise ValueError(f"attention: context segment {i}'s mask is {tuple(cm.shape)}; it must be {want}")
+    extra = [x for seg in context for x in seg if x is not None] + ([] if mask is None else [mask])
     if use_triton(q, k, v, *extra):
-        return attention_triton(q, k, v, mask, ctx_k, ctx_v, ctx_mask)
-    return attention_reference(q, k, v, mask, ctx_k, ctx_v, ctx_mask)
+        return attention_triton(q, k, v, mask, context)
+    return attention_reference(q, k, v, mask, context)

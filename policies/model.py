@@ -20,13 +20,34 @@ Keys/values are laid out ``(N, S, 2, g, T, d)``: the caches of the static-buffer
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import add_layer_norm, add_rms_norm, attention, euler_step, gelu_mul, qkv_rope, time_embed
+from kernels import (
+    add_layer_norm,
+    add_rms_norm,
+    attention,
+    euler_step,
+    gelu_mul,
+    qkv_rope,
+    time_embed,
+)
+from kernels.grouped_attention import Segment
 from policies.config import PolicyConfig
+
+Prefix = Sequence[tuple[torch.Tensor, torch.Tensor]]
+"""What a block attends to before its own tokens: segments ``(kv, mask)`` in token order, each
+kv ``(N, S, 2, g, T_i, d)`` (every layer) with a bool mask ``(N, T_i)``. Attention reads the
+segments where they live (the pipeline's instruction, ring and newest-frame buffers): the
+prefix is never laid out as one tensor."""
+
+
+def layer_segments(prefix: Prefix, layer: int) -> list[Segment]:
+    """Layer ``layer``'s keys, values and mask of each prefix segment."""
+    return [(kv[:, layer, 0], kv[:, layer, 1], mask) for kv, mask in prefix]
 
 
 class RMSNorm(nn.Module):
@@ -101,19 +122,17 @@ class DecoderLayer(nn.Module):
         x: torch.Tensor,
         pos0: torch.Tensor,
         inv_freq: torch.Tensor,
-        ctx_k: torch.Tensor | None = None,
-        ctx_v: torch.Tensor | None = None,
-        ctx_mask: torch.Tensor | None = None,
+        context: Sequence[Segment] = (),
         own_mask: torch.Tensor | None = None,
         kv_out: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x (N, T, W) at positions ``pos0 + t`` attends to the context keys/values (N, g, Tc, d)
-        with ``ctx_mask`` (N, Tc) and to itself (``own_mask`` (N, T)). Returns the new x and its
-        own keys/values (N, g, T, d), written into ``kv_out`` (N, 2, g, T, d) when given."""
+        """x (N, T, W) at positions ``pos0 + t`` attends to the context segments (keys/values
+        (N, g, T_i, d), masks (N, T_i)) and to itself (``own_mask`` (N, T)). Returns the new x and
+        its own keys/values (N, g, T, d), written into ``kv_out`` (N, 2, g, T, d) when given."""
         n, t, w = x.shape
         _, y = self.norm1(x)
         q, k, v = qkv_rope(F.linear(y, self.qkv_weight()), pos0, inv_freq, self.heads, self.kv_heads, kv_out)
-        attn = attention(q, k, v, own_mask, ctx_k, ctx_v, ctx_mask).reshape(n, t, -1)
+        attn = attention(q, k, v, own_mask, context).reshape(n, t, -1)
         x, y = self.norm2(x, F.linear(attn, self.o.weight))
         act = gelu_mul(F.linear(y, self.gate_up.weight))
         return torch.addmm(x.view(n * t, w), act.view(n * t, -1), self.down.weight.t()).view(n, t, w), k, v
@@ -265,17 +284,18 @@ class FlowPolicy(nn.Module):
         image: torch.Tensor,
         proprio: torch.Tensor,
         frame: torch.Tensor,
-        ctx_kv: torch.Tensor,
-        ctx_mask: torch.Tensor,
+        context: Prefix,
+        kv_out: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The newest frame over its context (instruction + ring, (N, S, 2, g, Tc, d) with mask
-        (N, Tc)) -> its keys/values (N, S, 2, g, T_B, d) and pooled features (N, D)."""
+        """The newest frame over its context (instruction + ring) -> its keys/values
+        (N, S, 2, g, T_B, d), written into ``kv_out`` when given (evaluation only), and pooled
+        features (N, D)."""
         x = self.embed_frame(image, proprio)
         pos0 = self.frame_start(frame)
-        kv, kvs = self._kv_cache(x), []
+        kv, kvs = self._kv_cache(x) if kv_out is None else kv_out, []
         for i, layer in enumerate(self.prefix):
             out = None if kv is None else kv[:, i]
-            x, k, v = layer(x, pos0, self.inv_freq, ctx_kv[:, i, 0], ctx_kv[:, i, 1], ctx_mask, kv_out=out)
+            x, k, v = layer(x, pos0, self.inv_freq, layer_segments(context, i), kv_out=out)
             kvs.append((k, v))
         return self._stack(kv, kvs), self.prefix_norm(x)[1].float().mean(1)
 
@@ -284,23 +304,22 @@ class FlowPolicy(nn.Module):
         self,
         x: torch.Tensor,
         t: torch.Tensor,
-        prefix_kv: torch.Tensor,
-        prefix_mask: torch.Tensor,
+        prefix: Prefix,
         frame: torch.Tensor,
     ) -> torch.Tensor:
-        """v(x_t, t) for noisy actions x (N, H, A) at flow times t (N,) over the prefix
-        (N, S, 2, g, Tp, d) with mask (N, Tp): the training form (unfolded, differentiable)."""
+        """v(x_t, t) for noisy actions x (N, H, A) at flow times t (N,) over the prefix: the
+        training form (unfolded, differentiable)."""
         c = self.cfg
         a = self.action_in(x.to(self.dtype))
         te = sincos(t, c.expert_width).to(a.device, self.dtype)[:, None].expand(-1, a.shape[1], -1)
         h = self.time_out(F.silu(self.time_in(torch.cat([a, te], dim=-1))))
-        h = self._expert_layers(h, prefix_kv, prefix_mask, self.frame_start(frame + 1))
+        h = self._expert_layers(h, prefix, self.frame_start(frame + 1))
         return self.action_out(self.expert_norm(h)[1]).float()
 
-    def _expert_layers(self, h, prefix_kv, prefix_mask, pos0) -> torch.Tensor:
+    def _expert_layers(self, h: torch.Tensor, prefix: Prefix, pos0: torch.Tensor) -> torch.Tensor:
         """The expert's layers over the prefix (before its final norm): (N, H, E)."""
         for i, layer in enumerate(self.expert):
-            h, _, _ = layer(h, pos0, self.inv_freq, prefix_kv[:, i, 0], prefix_kv[:, i, 1], prefix_mask)
+            h, _, _ = layer(h, pos0, self.inv_freq, layer_segments(prefix, i))
         return h
 
     def _fold_flow(self) -> tuple[torch.Tensor, ...]:
@@ -316,9 +335,7 @@ class FlowPolicy(nn.Module):
         return w_t[:, :e] @ w_in, bias, self.action_out.weight.float() * scale, self.action_out.bias.float() * scale
 
     @torch.no_grad()
-    def sample(
-        self, noise: torch.Tensor, prefix_kv: torch.Tensor, prefix_mask: torch.Tensor, frame: torch.Tensor
-    ) -> torch.Tensor:
+    def sample(self, noise: torch.Tensor, prefix: Prefix, frame: torch.Tensor) -> torch.Tensor:
         """Euler integration from noise (t = 1) to actions (t = 0): (N, H, A) float32.
 
         Per step: folded time embedding, time_out, the expert's layers, then one kernel for the
@@ -327,7 +344,7 @@ class FlowPolicy(nn.Module):
         x = noise.float().contiguous()
         pos0 = self.frame_start(frame + 1)
         for s in range(self.cfg.steps):
-            h = self._expert_layers(self.time_out(time_embed(x, wx, bias[s], self.dtype)), prefix_kv, prefix_mask, pos0)
+            h = self._expert_layers(self.time_out(time_embed(x, wx, bias[s], self.dtype)), prefix, pos0)
             x = euler_step(x, h, self.expert_norm.weight, w_out, b_out, self.expert_norm.eps)
         return x
 
@@ -341,7 +358,7 @@ class FlowPolicy(nn.Module):
         of the newest frame in its episode; ``actions`` (B, H, A); ``action_mask`` (B, H).
         The window is encoded frame by frame exactly as the pipeline does at run time.
         """
-        prefix, prefix_mask = self.encode_window(batch)
+        prefix = self.encode_window(batch)
         actions = batch["actions"].float()
         b = actions.shape[0]
         # pi0's time distribution Beta(1.5, 1) * 0.999 + 0.001, by its inverse CDF u ** (1 / 1.5)
@@ -349,23 +366,19 @@ class FlowPolicy(nn.Module):
         t = u.pow(1 / 1.5) * 0.999 + 0.001
         noise = torch.randn(actions.shape, generator=generator, device=actions.device)
         x_t = t[:, None, None] * noise + (1 - t[:, None, None]) * actions
-        v = self.velocity(x_t, t, prefix, prefix_mask, batch["frame"])
+        v = self.velocity(x_t, t, prefix, batch["frame"])
         err = (v - (noise - actions)).pow(2).mean(-1)
         m = batch["action_mask"].float()
         return (err * m).sum() / m.sum().clamp_min(1.0)
 
-    def encode_window(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """The prefix keys/values (B, S, 2, g, Tp, d) and mask (B, Tp) of a window of frames,
-        encoded frame by frame as the pipeline does at run time (the oldest frame of the window
-        sees the instruction only: history beyond the window is truncated)."""
+    def encode_window(self, batch: dict[str, torch.Tensor]) -> Prefix:
+        """The prefix of a window of frames (instruction, then each frame's keys/values with its
+        validity), encoded frame by frame as the pipeline does at run time (the oldest frame of
+        the window sees the instruction only: history beyond the window is truncated)."""
         c = self.cfg
-        text_kv = self.encode_text(batch["text_ids"], batch["text_mask"])
-        ring_kv, ring_mask = [], []
+        prefix = [(self.encode_text(batch["text_ids"], batch["text_mask"]), batch["text_mask"])]
         for j in range(c.n_obs_steps):
-            ctx = torch.cat([text_kv, *ring_kv], dim=4) if ring_kv else text_kv
-            ctx_mask = torch.cat([batch["text_mask"], *ring_mask], dim=1)
             frame = batch["frame"] - (c.n_obs_steps - 1 - j)
-            obs_kv, _ = self.encode_frame(batch["images"][:, j], batch["proprio"][:, j], frame, ctx, ctx_mask)
-            ring_kv.append(obs_kv)
-            ring_mask.append(batch["frame_valid"][:, j : j + 1].expand(-1, c.frame_tokens))
-        return torch.cat([text_kv, *ring_kv], dim=4), torch.cat([batch["text_mask"], *ring_mask], dim=1)
+            obs_kv, _ = self.encode_frame(batch["images"][:, j], batch["proprio"][:, j], frame, prefix)
+            prefix.append((obs_kv, batch["frame_valid"][:, j : j + 1].expand(-1, c.frame_tokens)))
+        return prefix

@@ -33,7 +33,7 @@ import torch
 import kernels
 import runtime
 from kernels.rng import draw_normal_
-from policies.model import FlowPolicy
+from policies.model import FlowPolicy, Prefix
 from runtime import BufferSet, BufferSpec, Graph, slot
 
 STAGES = ("encode_instruction", "encode_observation", "draw_noise", "denoise")
@@ -109,25 +109,33 @@ class PolicyPipeline:
         if self.cfg.n_obs_steps > 1:
             self["ring_valid"].masked_fill_(m[:, None], False)
 
-    def _ring_context(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Instruction + ring keys/values (N, S, 2, g, L + R, d) and their mask."""
+    def _context(self, newest: bool) -> Prefix:
+        """The prefix segments, in place: instruction, ring (if any), and with ``newest`` the
+        newest frame."""
         c = self.cfg
-        if c.n_obs_steps == 1:
-            return self["kv_text"], self["text_mask"]
-        ring_mask = self["ring_valid"].repeat_interleave(c.frame_tokens, dim=1)
-        return torch.cat([self["kv_text"], self["kv_ring"]], 4), torch.cat([self["text_mask"], ring_mask], 1)
+        segments = [(self["kv_text"], self["text_mask"])]
+        if c.n_obs_steps > 1:
+            ring_mask = self["ring_valid"][:, :, None].expand(-1, -1, c.frame_tokens)  # one flag per ring frame
+            segments.append((self["kv_ring"], ring_mask.reshape(self.bufs.num_slots, c.ring_tokens)))
+        if newest:
+            segments.append((self["kv_obs"], self["obs_valid"][:, None].expand(-1, c.frame_tokens)))
+        return segments
 
     @torch.no_grad()
     def encode_observation(self) -> None:
-        """Move the newest frame into the ring, then encode ``image``/``proprio`` as block B."""
+        """Move the newest frame into the ring, then encode ``image``/``proprio`` as block B
+        (its keys/values written straight into ``kv_obs``)."""
         c = self.cfg
         if c.n_obs_steps > 1:
-            t = c.frame_tokens
-            self["kv_ring"].copy_(torch.cat([self["kv_ring"][..., t:, :], self["kv_obs"]], 4))
-            self["ring_valid"].copy_(torch.cat([self["ring_valid"][:, 1:], self["obs_valid"][:, None]], 1))
-        ctx, ctx_mask = self._ring_context()
-        kv, feats = self.model.encode_frame(self["image"], self["proprio"], self["frame"], ctx, ctx_mask)
-        self["kv_obs"].copy_(kv)
+            t, ring, valid = c.frame_tokens, self["kv_ring"], self["ring_valid"]
+            if c.n_obs_steps > 2:  # shift the ring one frame older (through a temporary: the ranges overlap)
+                ring[..., :-t, :].copy_(ring[..., t:, :].clone())
+                valid[:, :-1].copy_(valid[:, 1:].clone())
+            ring[..., -t:, :].copy_(self["kv_obs"])
+            valid[:, -1].copy_(self["obs_valid"])
+        _, feats = self.model.encode_frame(
+            self["image"], self["proprio"], self["frame"], self._context(newest=False), kv_out=self["kv_obs"]
+        )
         self["features"].copy_(feats)
         self["obs_valid"].fill_(True)
         self["frame"].add_(1)
@@ -138,18 +146,9 @@ class PolicyPipeline:
 
     @torch.no_grad()
     def denoise(self) -> None:
-        """``actions`` from ``noise`` over the current prefix (10 Euler steps, unrolled). The
-        prefix (instruction + ring + newest frame) is laid out once per chunk, read by every step."""
-        c = self.cfg
-        obs_mask = self["obs_valid"][:, None].expand(-1, c.frame_tokens)
-        if c.n_obs_steps == 1:
-            prefix = torch.cat([self["kv_text"], self["kv_obs"]], 4)
-            mask = torch.cat([self["text_mask"], obs_mask], 1)
-        else:
-            prefix = torch.cat([self["kv_text"], self["kv_ring"], self["kv_obs"]], 4)
-            ring_mask = self["ring_valid"].repeat_interleave(c.frame_tokens, dim=1)
-            mask = torch.cat([self["text_mask"], ring_mask, obs_mask], 1)
-        self["actions"].copy_(self.model.sample(self["noise"], prefix, mask, self["frame"] - 1))
+        """``actions`` from ``noise`` over the current prefix (10 Euler steps, unrolled), read in
+        place from the instruction, ring and newest-frame buffers by every step."""
+        self["actions"].copy_(self.model.sample(self["noise"], self._context(newest=True), self["frame"] - 1))
 
     # -- graphs --------------------------------------------------------------------------------
     def stage(self, name: str) -> Callable[[], None]:

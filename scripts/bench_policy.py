@@ -63,14 +63,11 @@ def pure_step(model: FlowPolicy, p: PolicyPipeline) -> Callable[[], torch.Tensor
     cfg = model.cfg
 
     def step(image, proprio, frame, kv_text, text_mask, kv_ring, ring_valid, noise):
-        ctx, ctx_mask = kv_text, text_mask
+        ctx = [(kv_text, text_mask)]
         if kv_ring is not None:
-            ctx = torch.cat([kv_text, kv_ring], 4)
-            ctx_mask = torch.cat([text_mask, ring_valid.repeat_interleave(cfg.frame_tokens, dim=1)], 1)
-        kv, _ = model.encode_frame(image, proprio, frame, ctx, ctx_mask)
-        prefix = torch.cat([ctx, kv], 4)
-        mask = torch.cat([ctx_mask, torch.ones_like(ctx_mask[:, : cfg.frame_tokens])], 1)
-        return model.sample(noise, prefix, mask, frame)
+            ctx.append((kv_ring, ring_valid.repeat_interleave(cfg.frame_tokens, dim=1)))
+        kv, _ = model.encode_frame(image, proprio, frame, ctx)
+        return model.sample(noise, [*ctx, (kv, torch.ones_like(text_mask[:, :1]).expand(-1, cfg.frame_tokens))], frame)
 
     compiled = torch.compile(step, mode="reduce-overhead")
     ring = cfg.n_obs_steps > 1

@@ -10,7 +10,7 @@ import torch
 
 from kernels.activation import gelu_mul_reference, gelu_mul_triton
 from kernels.flow import euler_step_reference, euler_step_triton, time_embed_reference, time_embed_triton
-from kernels.grouped_attention import attention_reference, attention_triton
+from kernels.grouped_attention import attention, attention_reference, attention_triton
 from kernels.norm import (
     add_layer_norm,
     add_layer_norm_reference,
@@ -96,35 +96,51 @@ def test_qkv_rope_writes_rotated_heads_into_a_cache_view(device, heads, kv_heads
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(
-    ("heads", "kv_heads", "tq", "tk", "tc", "d", "n"),
+    ("heads", "kv_heads", "tq", "tk", "context", "d", "n"),
     [
-        (4, 1, 8, 8, 146, 64, 3),
-        (4, 1, 8, 8, 146, 64, 200),  # more programs than SMs: the throughput launch shape
-        (4, 1, 65, 65, 81, 64, 3),
-        (4, 1, 65, 65, 81, 64, 40),
-        (4, 1, 16, 16, 0, 64, 3),
-        (8, 2, 50, 50, 130, 128, 3),
-        (2, 2, 3, 5, 7, 16, 3),
+        (4, 1, 8, 8, (16, 65, 65), 64, 3),  # the expert over instruction, ring and newest frame
+        (4, 1, 8, 8, (16, 65, 65), 64, 200),  # more programs than SMs: the throughput launch shape
+        (4, 1, 65, 65, (16, 65), 64, 3),  # a frame over instruction and ring
+        (4, 1, 65, 65, (81,), 64, 40),
+        (4, 1, 16, 16, (), 64, 3),
+        (8, 2, 50, 50, (48, 82), 128, 3),
+        (2, 2, 3, 5, (7, 1, 4, 9), 16, 3),  # more segments than one launch reads: concatenated first
     ],
 )
-def test_attention_over_context_and_own_keys(device, heads, kv_heads, tq, tk, tc, d, n):
-    g = torch.Generator(device=device).manual_seed(tq * 1000 + tc)
+def test_attention_over_context_segments_and_own_keys(device, heads, kv_heads, tq, tk, context, d, n):
+    g = torch.Generator(device=device).manual_seed(tq * 1000 + sum(context))
     for dtype in dtypes(device):
         rnd = lambda *s, dt=dtype: torch.randn(*s, device=device, generator=g).to(dt)  # noqa: E731
         q = rnd(n, tq, heads, d).transpose(1, 2)  # strided, as the projection lays it out
         k, v = rnd(n, kv_heads, tk, d), rnd(n, kv_heads, tk, d)
         own_mask = torch.rand(n, tk, device=device, generator=g) < 0.8
         own_mask[:, 0] = True
-        for ctx in (False, True) if tc else (False,):
-            ck = rnd(n, 2, kv_heads, tc, d)[:, 0] if ctx else None  # a layer of a (N, 2, g, T, d) cache
-            cv = rnd(n, kv_heads, tc, d) if ctx else None
-            cm = (torch.rand(n, tc, device=device, generator=g) < 0.5) if ctx else None
+        segments = []
+        for i, tc in enumerate(context):
+            cache = rnd(n, 3, 2, kv_heads, tc, d)[:, 1]  # one layer of an (N, S, 2, g, T, d) cache
+            if i % 3 == 0:
+                cmask = torch.rand(n, tc, device=device, generator=g) < 0.5
+            elif i % 3 == 1:  # one flag per slot, expanded over the segment's tokens (stride 0)
+                cmask = (torch.rand(n, 1, device=device, generator=g) < 0.5).expand(-1, tc)
+            else:
+                cmask = None
+            segments.append((cache[:, 0], cache[:, 1], cmask))
+        for ctx in ((), segments) if context else ((),):
             for mask in (None, own_mask):
                 poison_allocator(device)
-                got = attention_triton(q, k, v, mask, ck, cv, cm)
+                got = attention_triton(q, k, v, mask, ctx)
                 f = lambda x: None if x is None else x.float()  # noqa: E731 - reference in float32
-                want = attention_reference(f(q), f(k), f(v), mask, f(ck), f(cv), cm)
+                want = attention_reference(f(q), f(k), f(v), mask, [(f(a), f(b), m) for a, b, m in ctx])
                 close(got, want, dtype)
+
+
+def test_attention_names_the_segment_that_does_not_fit():
+    q, k = torch.randn(2, 4, 8, 16), torch.randn(2, 1, 8, 16)
+    seg = torch.randn(2, 1, 5, 16)
+    with pytest.raises(ValueError, match="context segment 1 "):
+        attention(q, k, k, None, [(seg, seg, None), (seg[:, :, :, :8], seg[:, :, :, :8], None)])
+    with pytest.raises(ValueError, match="segment 0's mask is \\(2, 4\\); it must be \\(2, 5\\)"):
+        attention(q, k, k, None, [(seg, seg, torch.ones(2, 4, dtype=torch.bool))])
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -110,12 +110,11 @@ def test_training_window_encoding_matches_the_pipeline():
         "frame_valid": torch.ones(2, 2, dtype=torch.bool),
         "frame": torch.ones(2, dtype=torch.int64),
     }
-    prefix, mask = p.model.encode_window(batch)
-    live = torch.cat([p["kv_text"], p["kv_ring"], p["kv_obs"]], 4)
-    assert torch.equal(
-        mask, torch.ones_like(mask) & torch.cat([p["text_mask"], torch.ones(2, 2 * 17, dtype=torch.bool)], 1)
-    )
-    torch.testing.assert_close(prefix[..., p.cfg.max_text_len + 17 :, :], live[..., p.cfg.max_text_len + 17 :, :])
+    (text, text_mask), (_, ring_mask), (newest, newest_mask) = p.model.encode_window(batch)
+    assert torch.equal(text_mask, p["text_mask"]) and ring_mask.all() and newest_mask.all()
+    assert ring_mask.shape == newest_mask.shape == (2, p.cfg.frame_tokens)
+    torch.testing.assert_close(text, p["kv_text"])
+    torch.testing.assert_close(newest, p["kv_obs"])  # the oldest frame saw more history in the pipeline
 
 
 def test_flow_matching_loss_trains():
@@ -199,22 +198,24 @@ def test_folded_euler_loop_equals_the_unfolded_velocity_integration():
         for p in model.parameters():  # weights well away from the init, so every fold matters
             p.add_(0.05 * torch.randn_like(p))
     c, n = model.cfg, 3
-    prefix = torch.randn(n, c.depth, 2, c.kv_heads, c.prefix_tokens, c.head_dim)
-    mask = torch.rand(n, c.prefix_tokens) < 0.9
+    kv = lambda t: torch.randn(n, c.depth, 2, c.kv_heads, t, c.head_dim)  # noqa: E731
+    prefix = [  # instruction (a mask per token), ring and newest frame (a flag per frame)
+        (kv(c.max_text_len), torch.rand(n, c.max_text_len) < 0.9),
+        (kv(c.ring_tokens), (torch.rand(n, 1) < 0.5).expand(-1, c.ring_tokens)),
+        (kv(c.frame_tokens), torch.ones(n, c.frame_tokens, dtype=torch.bool)),
+    ]
     frame, noise = torch.tensor([0, 3, 7]), torch.randn(n, c.horizon, c.action_dim)
     x = noise.clone()
     for s in range(c.steps):  # with autograd through the weights: the training form of every layer
         t = torch.full((n,), 1.0 - s / c.steps)
-        x = (x - model.velocity(x, t, prefix, mask, frame) / c.steps).detach()
+        x = (x - model.velocity(x, t, prefix, frame) / c.steps).detach()
     with torch.no_grad():
-        folded = model.sample(noise, prefix, mask, frame)
+        folded = model.sample(noise, prefix, frame)
         torch.testing.assert_close(folded, x, atol=1e-5, rtol=1e-5)
         # the folded tensors follow the weights (an in-place load bumps their versions)
         other = FlowPolicy(config())
         model.load_state_dict(other.state_dict())
-        torch.testing.assert_close(
-            model.sample(noise, prefix, mask, frame), other.eval().sample(noise, prefix, mask, frame)
-        )
+        torch.testing.assert_close(model.sample(noise, prefix, frame), other.eval().sample(noise, prefix, frame))
 
 
 def test_deployment_digest_names_the_kernel_implementation(monkeypatch):
