@@ -9,7 +9,7 @@ references (before/after measurements in one process).
 module                           kernels
 ===============================  ========================================================================
 ``kernels.norm``                 residual add + RMSNorm / LayerNorm
-``kernels.activation``           gated-MLP activation ``gelu_tanh(gate) * up``
+``kernels.activation``           gated-MLP activation ``gelu_tanh(gate) * up``; linear + GELU (cuBLASLt epilogue)
 ``kernels.rotary``               QKV split + rotary embedding, keys/values written into cache views
 ``kernels.grouped_attention``    grouped-query attention over [context; own] without concatenation
 ``kernels.flow``                 folded time embedding, and final norm + output projection + Euler update
@@ -18,7 +18,7 @@ module                           kernels
 ===============================  ========================================================================
 """
 
-from kernels.activation import gelu_mul
+from kernels.activation import gelu_mul, linear_gelu
 from kernels.backend import implementation, reference_only, use_triton
 from kernels.flow import euler_step, time_embed
 from kernels.grouped_attention import attention
@@ -37,6 +37,7 @@ __all__ = [
     "euler_step",
     "gelu_mul",
     "implementation",
+    "linear_gelu",
     "masked_copy_rows",
     "masked_copy_rows_reference",
     "qkv_rope",

@@ -26,15 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import (
-    add_layer_norm,
-    add_rms_norm,
-    attention,
-    euler_step,
-    gelu_mul,
-    qkv_rope,
-    time_embed,
-)
+from kernels import add_layer_norm, add_rms_norm, attention, euler_step, gelu_mul, linear_gelu, qkv_rope, time_embed
 from kernels.grouped_attention import Segment
 from policies.config import PolicyConfig
 
@@ -168,7 +160,7 @@ class VisionBlock(nn.Module):
         q, k, v = self.qkv(h).view(n * t // patches, patches, 3, self.heads, w // self.heads).permute(2, 0, 3, 1, 4)
         attn = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(n, t, w)
         x, h = layer_norm(self.norm2, x, self.o(attn))
-        return x, self.fc2(F.gelu(self.fc1(h), approximate="tanh"))
+        return x, self.fc2(linear_gelu(h, self.fc1.weight, self.fc1.bias))
 
 
 def sincos(t: torch.Tensor, dim: int, min_period: float = 4e-3, max_period: float = 4.0) -> torch.Tensor:

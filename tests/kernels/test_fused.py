@@ -8,7 +8,8 @@ allocator blocks poisoned with NaN; outputs written into given views are pre-fil
 import pytest
 import torch
 
-from kernels.activation import gelu_mul_reference, gelu_mul_triton
+from kernels import reference_only
+from kernels.activation import gelu_mul_reference, gelu_mul_triton, linear_gelu, linear_gelu_reference
 from kernels.flow import euler_step_reference, euler_step_triton, time_embed_reference, time_embed_triton
 from kernels.grouped_attention import attention, attention_reference, attention_triton
 from kernels.norm import (
@@ -72,6 +73,23 @@ def test_gelu_mul(device, m):
         gate_up = (2 * torch.randn(5, 3, 2 * m, device=device, generator=g)).to(dtype)
         poison_allocator(device)
         close(gelu_mul_triton(gate_up), gelu_mul_reference(gate_up), dtype)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("rows", [7, 4160])
+def test_linear_gelu_epilogue_matches_linear_then_gelu(rows):
+    """The cuBLASLt bias + GELU epilogue (tanh form) against linear, then GELU; a one-row batch
+    and one tensor-core tile wide are both covered by ``rows``."""
+    g = torch.Generator(device="cuda").manual_seed(rows)
+    for dtype in dtypes("cuda"):
+        x = torch.randn(rows // 7, 7, 256, device="cuda", generator=g).to(dtype)
+        w = (torch.randn(1024, 256, device="cuda", generator=g) / 16).to(dtype)
+        b = torch.randn(1024, device="cuda", generator=g).to(dtype)
+        got = linear_gelu(x, w, b)
+        assert got.shape == (rows // 7, 7, 1024) and got.dtype == dtype
+        close(got, linear_gelu_reference(x.float(), w.float(), b.float()), dtype)
+        with torch.no_grad(), reference_only():
+            assert torch.equal(linear_gelu(x, w, b), linear_gelu_reference(x, w, b))
 
 
 @pytest.mark.parametrize("device", DEVICES)
