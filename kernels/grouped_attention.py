@@ -4,14 +4,16 @@ The policy's queries attend to keys/values that live in different buffers: conte
 (instruction, history ring and newest frame: fixed during a chunk's 10 Euler steps) and the
 tokens' own keys/values. The reference concatenates them and calls
 ``scaled_dot_product_attention`` with a boolean mask (which rules out its fused paths); the
-kernel streams up to three context segments and the own block through one online softmax, each
-read in place with its own strides and mask, and since all ``h / g`` query heads of a key/value
-head share its keys, one program serves a whole group (rows = heads x tokens), so each key block
-is read once per group. With at least as many programs as SMs (many slots) the key blocks are
-narrower (32 keys) and the programs smaller (2 warps for 32 rows): more of them fit on an SM
-(docs/PERFORMANCE.md has the before and after). Products run on tensor cores in the inputs'
-dtype (bf16), in full float32 for float32 inputs. The output is written as ``(N, Tq, h, d)``:
-the layout the output projection reads. Rows with every key masked out return zeros (SDPA: NaN).
+kernel reads up to three context segments and the own block as one sequence of keys through one
+online softmax: a block of keys may span segments, each key's row is looked up in its own buffer
+with that buffer's strides and mask, so a 65-token frame does not cost a block of its own for
+its last key. Since all ``h / g`` query heads of a key/value head share its keys, one program
+serves a whole group (rows = heads x tokens), so each key block is read once per group. With at
+least as many programs as SMs (many slots) the key blocks are narrower (32 keys) and the
+programs smaller (2 warps for 32 rows): more of them fit on an SM (docs/PERFORMANCE.md has the
+before and after). Products run on tensor cores in the inputs' dtype (bf16), in full float32 for
+float32 inputs. The output is written as ``(N, Tq, h, d)``: the layout the output projection
+reads. Rows with every key masked out return zeros (SDPA: NaN).
 """
 
 from __future__ import annotations
@@ -59,48 +61,28 @@ def attention_reference(
 if triton is not None:
 
     @triton.jit
-    def _source(
-        acc, m_i, l_i, qb, n, kvh, scale, k, v, mask, tk,
-        sk_n, sk_g, sk_t, sv_n, sv_g, sv_t, sm_n, sm_t,
-        HAS_MASK: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, PRECISION: tl.constexpr,
-    ):  # fmt: skip
-        dims = tl.arange(0, D)
-        for start in range(0, tk, BN):
-            cols = start + tl.arange(0, BN)
-            inside = cols < tk
-            kb = tl.load(
-                k + n * sk_n + kvh * sk_g + cols[:, None] * sk_t + dims[None, :], mask=inside[:, None], other=0.0
-            )
-            s = tl.dot(qb, tl.trans(kb), input_precision=PRECISION) * scale  # (BM, BN), log2 units
-            valid = inside
-            if HAS_MASK:
-                valid = valid & (tl.load(mask + n * sm_n + cols * sm_t, mask=inside, other=0) != 0)
-            s = tl.where(valid[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp2(s - m_safe[:, None])
-            alpha = tl.exp2(m_i - m_safe)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            vb = tl.load(
-                v + n * sv_n + kvh * sv_g + cols[:, None] * sv_t + dims[None, :], mask=inside[:, None], other=0.0
-            )
-            acc = acc * alpha[:, None] + tl.dot(p.to(vb.dtype), vb, input_precision=PRECISION)
-            m_i = m_new
-        return acc, m_i, l_i
+    def _select(rows, seg, i: tl.constexpr, base, n, kvh, local, s_n, s_g, s_t):
+        """Row pointers (BN,) with the keys of source ``i`` (``seg == i``) pointed into ``base``."""
+        return tl.where(seg == i, base + n * s_n + kvh * s_g + local * s_t, rows)
+
+    @triton.jit
+    def _valid(valid, seg, i: tl.constexpr, mask, n, local, sm_n, sm_t):
+        """``valid`` and, for the keys of source ``i``, that source's mask."""
+        return valid & (tl.load(mask + n * sm_n + local * sm_t, mask=valid & (seg == i), other=1) != 0)
 
     @triton.jit
     def _attention_kernel(
         q, out, TQ, H, G, scale, sq_n, sq_h, sq_t,
-        k0, v0, m0, t0, sk0_n, sk0_g, sk0_t, sv0_n, sv0_g, sv0_t, sm0_n, sm0_t,
-        k1, v1, m1, t1, sk1_n, sk1_g, sk1_t, sv1_n, sv1_g, sv1_t, sm1_n, sm1_t,
-        k2, v2, m2, t2, sk2_n, sk2_g, sk2_t, sv2_n, sv2_g, sv2_t, sm2_n, sm2_t,
-        k3, v3, m3, t3, sk3_n, sk3_g, sk3_t, sv3_n, sv3_g, sv3_t, sm3_n, sm3_t,
-        SOURCES: tl.constexpr, MASKED: tl.constexpr, BM: tl.constexpr,
-        BN0: tl.constexpr, BN1: tl.constexpr, BN2: tl.constexpr, BN3: tl.constexpr,
-        D: tl.constexpr, PRECISION: tl.constexpr,
+        k0, v0, m0, sk0_n, sk0_g, sk0_t, sv0_n, sv0_g, sv0_t, sm0_n, sm0_t,
+        k1, v1, m1, e1, sk1_n, sk1_g, sk1_t, sv1_n, sv1_g, sv1_t, sm1_n, sm1_t,
+        k2, v2, m2, e2, sk2_n, sk2_g, sk2_t, sv2_n, sv2_g, sv2_t, sm2_n, sm2_t,
+        k3, v3, m3, e3, sk3_n, sk3_g, sk3_t, sv3_n, sv3_g, sv3_t, sm3_n, sm3_t, TK,
+        SOURCES: tl.constexpr, MASKED: tl.constexpr,
+        BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, PRECISION: tl.constexpr,
     ):  # fmt: skip
-        # Sources 0 .. SOURCES-1 in token order (context segments, then the own block), source i
-        # read in blocks of BNi keys; bit i of MASKED: source i has a mask.
+        # Sources 0 .. SOURCES-1 (context segments, then the own block) form one sequence of TK
+        # keys; source i starts at key e_i (e_0 = 0). A block of BN keys may span sources: each
+        # key's row is looked up in its own source. Bit i of MASKED: source i has a mask.
         pid_nk = tl.program_id(1)
         n = (pid_nk // (H // G)).to(tl.int64)  # G = h / g query heads per key/value head
         kvh = pid_nk % (H // G)
@@ -115,25 +97,44 @@ if triton is not None:
         acc = tl.zeros((BM, D), dtype=tl.float32)
         m_i = tl.full((BM,), float("-inf"), tl.float32)
         l_i = tl.zeros((BM,), dtype=tl.float32)
-        acc, m_i, l_i = _source(
-            acc, m_i, l_i, qb, n, kvh, scale, k0, v0, m0, t0, sk0_n, sk0_g, sk0_t, sv0_n, sv0_g, sv0_t, sm0_n, sm0_t,
-            MASKED & 1, BN0, D, PRECISION,
-        )  # fmt: skip
-        if SOURCES > 1:
-            acc, m_i, l_i = _source(
-                acc, m_i, l_i, qb, n, kvh, scale, k1, v1, m1, t1, sk1_n, sk1_g, sk1_t, sv1_n, sv1_g, sv1_t,
-                sm1_n, sm1_t, MASKED & 2, BN1, D, PRECISION,
-            )  # fmt: skip
-        if SOURCES > 2:
-            acc, m_i, l_i = _source(
-                acc, m_i, l_i, qb, n, kvh, scale, k2, v2, m2, t2, sk2_n, sk2_g, sk2_t, sv2_n, sv2_g, sv2_t,
-                sm2_n, sm2_t, MASKED & 4, BN2, D, PRECISION,
-            )  # fmt: skip
-        if SOURCES > 3:
-            acc, m_i, l_i = _source(
-                acc, m_i, l_i, qb, n, kvh, scale, k3, v3, m3, t3, sk3_n, sk3_g, sk3_t, sv3_n, sv3_g, sv3_t,
-                sm3_n, sm3_t, MASKED & 8, BN3, D, PRECISION,
-            )  # fmt: skip
+        for start in range(0, TK, BN):
+            cols = start + tl.arange(0, BN)
+            inside = cols < TK
+            seg = (cols >= e1).to(tl.int32)
+            if SOURCES > 2:
+                seg += (cols >= e2).to(tl.int32)
+            if SOURCES > 3:
+                seg += (cols >= e3).to(tl.int32)
+            kr = k0 + n * sk0_n + kvh * sk0_g + cols * sk0_t
+            vr = v0 + n * sv0_n + kvh * sv0_g + cols * sv0_t
+            kr = _select(kr, seg, 1, k1, n, kvh, cols - e1, sk1_n, sk1_g, sk1_t)
+            vr = _select(vr, seg, 1, v1, n, kvh, cols - e1, sv1_n, sv1_g, sv1_t)
+            if SOURCES > 2:
+                kr = _select(kr, seg, 2, k2, n, kvh, cols - e2, sk2_n, sk2_g, sk2_t)
+                vr = _select(vr, seg, 2, v2, n, kvh, cols - e2, sv2_n, sv2_g, sv2_t)
+            if SOURCES > 3:
+                kr = _select(kr, seg, 3, k3, n, kvh, cols - e3, sk3_n, sk3_g, sk3_t)
+                vr = _select(vr, seg, 3, v3, n, kvh, cols - e3, sv3_n, sv3_g, sv3_t)
+            kb = tl.load(kr[:, None] + dims[None, :], mask=inside[:, None], other=0.0)
+            s = tl.dot(qb, tl.trans(kb), input_precision=PRECISION) * scale  # (BM, BN), log2 units
+            valid = inside
+            if MASKED & 1:
+                valid = _valid(valid, seg, 0, m0, n, cols, sm0_n, sm0_t)
+            if MASKED & 2:
+                valid = _valid(valid, seg, 1, m1, n, cols - e1, sm1_n, sm1_t)
+            if MASKED & 4:
+                valid = _valid(valid, seg, 2, m2, n, cols - e2, sm2_n, sm2_t)
+            if MASKED & 8:
+                valid = _valid(valid, seg, 3, m3, n, cols - e3, sm3_n, sm3_t)
+            s = tl.where(valid[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp2(s - m_safe[:, None])
+            alpha = tl.exp2(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            vb = tl.load(vr[:, None] + dims[None, :], mask=inside[:, None], other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(vb.dtype), vb, input_precision=PRECISION)
+            m_i = m_new
         o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         dst = out + ((n * TQ + t[:, None]) * H + head[:, None]) * D + dims[None, :]
         tl.store(dst, o.to(out.dtype.element_ty), mask=live[:, None])
@@ -167,18 +168,17 @@ def attention_triton(
     bn, warps = (128 if d <= 64 else 64, 4) if d <= 128 else (32, 8)  # latency-bound: few programs, wide blocks
     if d <= 64 and grid[0] * grid[1] >= _sm_count(q.device):  # throughput-bound: many programs
         bn, warps = 32, 2 if bm <= 32 else 4  # the fastest launch shape at 1024 and 4096 slots on an H200
-    args, masked, blocks = [], 0, []
+    args, masked, start = [], 0, 0
     for i, (sk, sv, sm) in enumerate([*sources, *[sources[-1]] * (MAX_SEGMENTS + 1 - len(sources))]):
         m8 = q if sm is None else sm.view(torch.uint8)  # any tensor stands in for an absent mask
-        masked |= (sm is not None) << i
+        masked |= (sm is not None and i < len(sources)) << i
         sm_strides = (0, 0) if sm is None else m8.stride()
-        args += [sk, sv, m8, sk.shape[2], *sk.stride()[:3], *sv.stride()[:3], *sm_strides]
-        blocks.append(min(bn, max(16, triton.next_power_of_2(sk.shape[2]))))  # a short source: one block
+        args += [sk, sv, m8, *([start] if i else []), *sk.stride()[:3], *sv.stride()[:3], *sm_strides]
+        start += sk.shape[2] if i < len(sources) else 0
     if n * tq:
         _attention_kernel[grid](
-            q, out, tq, h, group, math.log2(math.e) / math.sqrt(d), *q.stride()[:3], *args,
-            SOURCES=len(sources), MASKED=masked & ((1 << len(sources)) - 1), BM=bm,
-            BN0=blocks[0], BN1=blocks[1], BN2=blocks[2], BN3=blocks[3], D=d,
+            q, out, tq, h, group, math.log2(math.e) / math.sqrt(d), *q.stride()[:3], *args, start,
+            SOURCES=len(sources), MASKED=masked, BM=bm, BN=bn, D=d,
             PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=warps,
         )  # fmt: skip
     return out
