@@ -165,7 +165,7 @@ def attention_triton(
     group = h // g
     bm = max(16, min(64 if d <= 128 else 32, triton.next_power_of_2(group * tq)))
     grid = (triton.cdiv(group * tq, bm), n * g)
-    bn, warps = (128 if d <= 64 else 64, 4) if d <= 128 else (32, 8)  # latency-bound: few programs, wide blocks
+    bn, warps = (128 if d <= 64 and bm > 32 else 64, 4) if d <= 128 else (32, 8)  # few programs: wide blocks
     if d <= 64 and grid[0] * grid[1] >= _sm_count(q.device):  # throughput-bound: many programs
         bn, warps = 32, 2 if bm <= 32 else 4  # the fastest launch shape at 1024 and 4096 slots on an H200
     args, masked, start = [], 0, 0
