@@ -89,7 +89,7 @@ class DecoderLayer(nn.Module):
 
     Per layer on CUDA: norm, fused q/k/v projection, QKV split + rotary (keys/values written
     into the caller's cache view), attention over [context; own], output projection, residual
-    add + norm, gate/up projection, activation, down projection with the residual add.
+    add + norm, gate/up projection, activation, down projection accumulated onto the residual.
     """
 
     def __init__(self, width: int, heads: int, kv_heads: int, head_dim: int, mlp: int) -> None:
@@ -121,13 +121,22 @@ class DecoderLayer(nn.Module):
         """x (N, T, W) at positions ``pos0 + t`` attends to the context segments (keys/values
         (N, g, T_i, d), masks (N, T_i)) and to itself (``own_mask`` (N, T)). Returns the new x and
         its own keys/values (N, g, T, d), written into ``kv_out`` (N, 2, g, T, d) when given."""
-        n, t, w = x.shape
+        n, t, _ = x.shape
         _, y = self.norm1(x)
         q, k, v = qkv_rope(F.linear(y, self.qkv_weight()), pos0, inv_freq, self.heads, self.kv_heads, kv_out)
         attn = attention(q, k, v, own_mask, context).reshape(n, t, -1)
         x, y = self.norm2(x, F.linear(attn, self.o.weight))
-        act = gelu_mul(F.linear(y, self.gate_up.weight))
-        return torch.addmm(x.view(n * t, w), act.view(n * t, -1), self.down.weight.t()).view(n, t, w), k, v
+        return add_matmul(x, gelu_mul(F.linear(y, self.gate_up.weight)), self.down.weight), k, v
+
+
+def add_matmul(x: torch.Tensor, a: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x + a @ weight.T`` over the last dim. Unless autograd records through it, the product
+    accumulates into ``x`` in place (x must be a fresh residual sum no one else reads): an
+    out-of-place addmm first copies x into its output, one more graph node per layer."""
+    x2, a2 = x.view(-1, x.shape[-1]), a.view(-1, a.shape[-1])
+    if torch.is_grad_enabled() and (x.requires_grad or a.requires_grad or weight.requires_grad):
+        return torch.addmm(x2, a2, weight.t()).view(x.shape)
+    return x2.addmm_(a2, weight.t()).view(x.shape)
 
 
 def layer_norm(norm: nn.LayerNorm, x: torch.Tensor, delta: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
