@@ -77,12 +77,13 @@ if triton is not None:
         k1, v1, m1, e1, sk1_n, sk1_g, sk1_t, sv1_n, sv1_g, sv1_t, sm1_n, sm1_t,
         k2, v2, m2, e2, sk2_n, sk2_g, sk2_t, sv2_n, sv2_g, sv2_t, sm2_n, sm2_t,
         k3, v3, m3, e3, sk3_n, sk3_g, sk3_t, sv3_n, sv3_g, sv3_t, sm3_n, sm3_t, TK,
-        SOURCES: tl.constexpr, MASKED: tl.constexpr,
+        SOURCES: tl.constexpr, MASKED: tl.constexpr, ALIGNED: tl.constexpr,
         BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, PRECISION: tl.constexpr,
     ):  # fmt: skip
         # Sources 0 .. SOURCES-1 (context segments, then the own block) form one sequence of TK
         # keys; source i starts at key e_i (e_0 = 0). A block of BN keys may span sources: each
-        # key's row is looked up in its own source. Bit i of MASKED: source i has a mask.
+        # key's row is looked up in its own source (a selected pointer: the compiler cannot see its
+        # alignment, so ALIGNED states it). Bit i of MASKED: source i has a mask.
         pid_nk = tl.program_id(1)
         n = (pid_nk // (H // G)).to(tl.int64)  # G = h / g query heads per key/value head
         kvh = pid_nk % (H // G)
@@ -115,6 +116,9 @@ if triton is not None:
             if SOURCES > 3:
                 kr = _select(kr, seg, 3, k3, n, kvh, cols - e3, sk3_n, sk3_g, sk3_t)
                 vr = _select(vr, seg, 3, v3, n, kvh, cols - e3, sv3_n, sv3_g, sv3_t)
+            if ALIGNED:  # every key/value row starts on 16 bytes: vector loads, pipelined (cp.async)
+                kr = tl.multiple_of(kr, 16)
+                vr = tl.multiple_of(vr, 16)
             kb = tl.load(kr[:, None] + dims[None, :], mask=inside[:, None], other=0.0)
             s = tl.dot(qb, tl.trans(kb), input_precision=PRECISION) * scale  # (BM, BN), log2 units
             valid = inside
@@ -175,10 +179,14 @@ def attention_triton(
         sm_strides = (0, 0) if sm is None else m8.stride()
         args += [sk, sv, m8, *([start] if i else []), *sk.stride()[:3], *sv.stride()[:3], *sm_strides]
         start += sk.shape[2] if i < len(sources) else 0
+    rows = [x for src in sources for x in src[:2]]
+    aligned = all(
+        x.data_ptr() % 16 == 0 and all(st * x.element_size() % 16 == 0 for st in x.stride()[:3]) for x in rows
+    )
     if n * tq:
         _attention_kernel[grid](
             q, out, tq, h, group, math.log2(math.e) / math.sqrt(d), *q.stride()[:3], *args, start,
-            SOURCES=len(sources), MASKED=masked, BM=bm, BN=bn, D=d,
+            SOURCES=len(sources), MASKED=masked, ALIGNED=aligned, BM=bm, BN=bn, D=d,
             PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=warps,
         )  # fmt: skip
     return out

@@ -152,6 +152,23 @@ def test_attention_over_context_segments_and_own_keys(device, heads, kv_heads, t
                 close(got, want, dtype)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_attention_over_segments_not_on_16_byte_rows(device):
+    """Row alignment is a launch-time fact the kernel relies on for vector loads; a segment
+    whose rows do not start on 16 bytes (an odd element offset) must still read correctly."""
+    g = torch.Generator(device=device).manual_seed(5)
+    n, tq, d = 3, 8, 64
+    for dtype in dtypes(device):
+        rnd = lambda *s, dt=dtype: torch.randn(*s, device=device, generator=g).to(dt)  # noqa: E731
+        q, k, v = rnd(n, 4, tq, d), rnd(n, 1, tq, d), rnd(n, 1, tq, d)
+        flat = rnd(2 * n * 65 * d + 1)[1:]  # one element off: no row on a 16-byte boundary
+        ring = flat.view(n, 2, 1, 65, d)
+        segments = [(rnd(n, 1, 16, d), rnd(n, 1, 16, d), None), (ring[:, 0], ring[:, 1], None)]
+        got = attention_triton(q, k, v, None, segments)
+        f = lambda x: x.float()  # noqa: E731
+        close(got, attention_reference(f(q), f(k), f(v), None, [(f(a), f(b), m) for a, b, m in segments]), dtype)
+
+
 def test_attention_names_the_segment_that_does_not_fit():
     q, k = torch.randn(2, 4, 8, 16), torch.randn(2, 1, 8, 16)
     seg = torch.randn(2, 1, 5, 16)
