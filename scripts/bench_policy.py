@@ -90,14 +90,22 @@ def _sdpa_flops(query_shape, key_shape, value_shape, *args, out_shape=None, **kw
     return 4 * n * h * tq * key_shape[-2] * d
 
 
-SDPA_FLOPS = {
-    getattr(torch.ops.aten, name): _sdpa_flops
-    for name in (
-        "_scaled_dot_product_flash_attention",
-        "_scaled_dot_product_efficient_attention",
-        "_scaled_dot_product_cudnn_attention",
-    )
-    if hasattr(torch.ops.aten, name)
+def _addmm_flops(self_shape, a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
+    """``x + a @ b`` with a (m, k), b (k, n): the product's multiply-adds (as torch counts addmm)."""
+    return 2 * a_shape[0] * a_shape[1] * b_shape[1]
+
+
+FLOP_FORMULAS = {  # what torch's counter has no formula for: fused attention, and in-place addmm
+    **{
+        getattr(torch.ops.aten, name): _sdpa_flops
+        for name in (
+            "_scaled_dot_product_flash_attention",
+            "_scaled_dot_product_efficient_attention",
+            "_scaled_dot_product_cudnn_attention",
+        )
+        if hasattr(torch.ops.aten, name)
+    },
+    torch.ops.aten.addmm_: _addmm_flops,  # the down projection accumulates in place
 }
 
 
@@ -111,7 +119,7 @@ def floors(model: FlowPolicy, p: PolicyPipeline, n: int, step: Callable[[], None
     encode = nbytes(model) - nbytes(model.expert) - sum(nbytes(m) for m in (model.action_in, model.time_in))
     per_euler = nbytes(model.expert) + n * c.depth * 2 * c.kv_heads * c.prefix_tokens * c.head_dim * 2
     moved = encode + c.steps * per_euler
-    with kernels.reference_only(), FlopCounterMode(display=False, custom_mapping=SDPA_FLOPS) as fc:
+    with kernels.reference_only(), FlopCounterMode(display=False, custom_mapping=FLOP_FORMULAS) as fc:
         step()
     return {
         "bytes_MB": moved / 1e6,
