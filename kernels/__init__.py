@@ -11,7 +11,7 @@ module                           kernels
 ``kernels.norm``                 residual add + RMSNorm / LayerNorm
 ``kernels.activation``           gated-MLP activation ``gelu_tanh(gate) * up``; linear + GELU (cuBLASLt epilogue)
 ``kernels.rotary``               QKV split + rotary embedding, keys/values written into cache views
-``kernels.grouped_attention``    grouped-query attention over [context; own] without concatenation
+``kernels.grouped_attention``    grouped-query attention over context segments and own keys, read in place
 ``kernels.flow``                 folded time embedding, and final norm + output projection + Euler update
 ``kernels.rng``                  per-slot counter-based Gaussian noise (draw + counter bump)
 ``kernels.slot_copy``            masked row copy / gather (restore, autoreset) and row scatter (fork)
