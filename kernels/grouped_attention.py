@@ -82,8 +82,8 @@ if triton is not None:
     ):  # fmt: skip
         # Sources 0 .. SOURCES-1 (context segments, then the own block) form one sequence of TK
         # keys; source i starts at key e_i (e_0 = 0). A block of BN keys may span sources: each
-        # key's row is looked up in its own source (a selected pointer: the compiler cannot see its
-        # alignment, so ALIGNED states it). Bit i of MASKED: source i has a mask.
+        # key's row is looked up in its own source (a selected pointer, whose alignment Triton 3.9
+        # no longer infers, so ALIGNED states it). Bit i of MASKED: source i has a mask.
         pid_nk = tl.program_id(1)
         n = (pid_nk // (H // G)).to(tl.int64)  # G = h / g query heads per key/value head
         kvh = pid_nk % (H // G)
