@@ -221,6 +221,10 @@ def attention(
         if cm is not None and cm.shape != ck.shape[:1] + ck.shape[2:3]:
             want = (ck.shape[0], ck.shape[2])
             raise ValueError(f"attention: context segment {i}'s mask is {tuple(cm.shape)}; it must be {want}")
+    masks = [("the own mask", mask)] + [(f"context segment {i}'s mask", cm) for i, (_, _, cm) in enumerate(context)]
+    for what, m in masks:
+        if m is not None and m.dtype != torch.bool:  # SDPA would read a float mask as an additive bias
+            raise ValueError(f"attention: {what} must be bool (True = may attend), got {m.dtype}")
     extra = [x for seg in context for x in seg if x is not None] + ([] if mask is None else [mask])
     if use_triton(q, k, v, *extra):
         return attention_triton(q, k, v, mask, context)

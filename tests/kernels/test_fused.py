@@ -176,6 +176,10 @@ def test_attention_names_the_segment_that_does_not_fit():
         attention(q, k, k, None, [(seg, seg, None), (seg[:, :, :, :8], seg[:, :, :, :8], None)])
     with pytest.raises(ValueError, match="segment 0's mask is \\(2, 4\\); it must be \\(2, 5\\)"):
         attention(q, k, k, None, [(seg, seg, torch.ones(2, 4, dtype=torch.bool))])
+    with pytest.raises(ValueError, match="segment 0's mask must be bool"):
+        attention(q, k, k, None, [(seg, seg, torch.ones(2, 5))])
+    with pytest.raises(ValueError, match="the own mask must be bool"):
+        attention(q, k, k, torch.ones(2, 8, dtype=torch.int64), [(seg, seg, None)])
 
 
 @pytest.mark.parametrize("device", DEVICES)
