@@ -12,9 +12,9 @@ action expert: ``horizon`` queries over instruction + ring + newest frame; the f
   once a chunk before it read segments).
 
 On a GPU each call is timed inside a captured CUDA graph of ``--calls`` calls (median over
-``--reps`` replays, in µs a call), in bf16. Elsewhere it runs the same calls through Triton's
-CPU interpreter (``TRITON_INTERPRET=1``) or the torch reference in float32 and times them by
-wall clock: a smoke run of the script, not a measurement.
+``--reps`` replays, in µs a call), in bf16. Elsewhere the same calls take the torch reference
+(``kernels.attention`` picks, as in the policy) in float32, timed by wall clock: a smoke run of
+the script, not a measurement.
 
     python scripts/bench_attention.py --out bench_attention.json
 """
@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import time
 from collections.abc import Callable
@@ -33,8 +32,8 @@ import torch
 from benchlib import commit, cuda_time, provenance
 
 from flashrt_gym.tasks import TabletopConfig
+from kernels import attention
 from kernels.backend import triton
-from kernels.grouped_attention import attention_reference, attention_triton
 from policies import PRESETS, PolicyConfig
 
 
@@ -90,8 +89,7 @@ def bench(cfg: PolicyConfig, n: int, caller: str, device: str, dtype: torch.dtyp
             torch.cat([c[2] for c in context], 1),
         )
     ]
-    fused = attention_triton if device == "cuda" or os.environ.get("TRITON_INTERPRET") == "1" else attention_reference
-    run = lambda ctx: fused(q, own[:, 0], own[:, 1], None, ctx)  # noqa: E731
+    run = lambda ctx: attention(q, own[:, 0], own[:, 1], None, ctx)  # noqa: E731
     return {
         "batch": n,
         "caller": caller,
