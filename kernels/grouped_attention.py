@@ -11,9 +11,14 @@ its last key. Since all ``h / g`` query heads of a key/value head share its keys
 serves a whole group (rows = heads x tokens), so each key block is read once per group. With at
 least as many programs as SMs (many slots) the key blocks are narrower (32 keys) and the
 programs smaller (2 warps for 32 rows): more of them fit on an SM (docs/PERFORMANCE.md has the
-before and after). Products run on tensor cores in the inputs' dtype (bf16), in full float32 for
-float32 inputs. The output is written as ``(N, Tq, h, d)``: the layout the output projection
-reads. Rows with every key masked out return zeros (SDPA: NaN).
+before and after). With few programs and many key blocks (pi0's expert at one slot: 13 programs,
+28 blocks each) the keys are split over more programs, whose softmax states a second kernel
+merges. Masks cost per key only where they vary per key: a mask that is one flag per slot (an
+expanded ``(N, 1)``, stride 0) is read once per program, and the key blocks after the last
+per-token-masked source are swept by a loop without mask loads. Products run on tensor cores in
+the inputs' dtype (bf16), in full float32 for float32 inputs. The output is written as
+``(N, Tq, h, d)``: the layout the output projection reads. Rows with every key masked out
+return zeros (SDPA: NaN).
 """
 
 from __future__ import annotations
@@ -61,29 +66,100 @@ def attention_reference(
 if triton is not None:
 
     @triton.jit
-    def _select(rows, seg, i: tl.constexpr, base, n, kvh, local, s_n, s_g, s_t):
+    def _row(rows, seg, i: tl.constexpr, base, local, s_t):
         """Row pointers (BN,) with the keys of source ``i`` (``seg == i``) pointed into ``base``."""
-        return tl.where(seg == i, base + n * s_n + kvh * s_g + local * s_t, rows)
+        return tl.where(seg == i, base + local * s_t, rows)
 
     @triton.jit
-    def _valid(valid, seg, i: tl.constexpr, mask, n, local, sm_n, sm_t):
-        """``valid`` and, for the keys of source ``i``, that source's mask."""
-        return valid & (tl.load(mask + n * sm_n + local * sm_t, mask=valid & (seg == i), other=1) != 0)
+    def _token_mask(valid, seg, i: tl.constexpr, mask, local, s_t):
+        """``valid`` and, for the keys of source ``i``, that source's per-token mask."""
+        return valid & (tl.load(mask + local * s_t, mask=valid & (seg == i), other=1) != 0)
+
+    @triton.jit
+    def _sweep(
+        acc, m_i, l_i, qb, lo, hi, TK, scale,
+        k0, v0, m0, f0, sk0, sv0, sm0,
+        k1, v1, m1, f1, e1, sk1, sv1, sm1,
+        k2, v2, m2, f2, e2, sk2, sv2, sm2,
+        k3, v3, m3, f3, e3, sk3, sv3, sm3,
+        SOURCES: tl.constexpr, TOKENS: tl.constexpr, FLAGS: tl.constexpr, ALIGNED: tl.constexpr,
+        BN: tl.constexpr, D: tl.constexpr, PRECISION: tl.constexpr,
+    ):  # fmt: skip
+        # Keys lo .. hi of the sources' one sequence through the online softmax. k_i / v_i / m_i:
+        # source i's rows and mask of this program's slot and key/value head; it starts at key
+        # e_i (e_0 = 0). Bit i of TOKENS: load source i's per-token mask here; of FLAGS: source
+        # i's mask is one per-slot flag, f_i, loaded once by the caller.
+        dims = tl.arange(0, D)
+        for start in range(lo, hi, BN):
+            cols = start + tl.arange(0, BN)
+            inside = cols < TK
+            seg = (cols >= e1).to(tl.int32)
+            if SOURCES > 2:
+                seg += (cols >= e2).to(tl.int32)
+            if SOURCES > 3:
+                seg += (cols >= e3).to(tl.int32)
+            kr = _row(k0 + cols * sk0, seg, 1, k1, cols - e1, sk1)
+            vr = _row(v0 + cols * sv0, seg, 1, v1, cols - e1, sv1)
+            if SOURCES > 2:
+                kr = _row(kr, seg, 2, k2, cols - e2, sk2)
+                vr = _row(vr, seg, 2, v2, cols - e2, sv2)
+            if SOURCES > 3:
+                kr = _row(kr, seg, 3, k3, cols - e3, sk3)
+                vr = _row(vr, seg, 3, v3, cols - e3, sv3)
+            if ALIGNED:  # every key/value row starts on 16 bytes: vector loads, pipelined (cp.async)
+                kr = tl.multiple_of(kr, 16)
+                vr = tl.multiple_of(vr, 16)
+            kb = tl.load(kr[:, None] + dims[None, :], mask=inside[:, None], other=0.0)
+            s = tl.dot(qb, tl.trans(kb), input_precision=PRECISION) * scale  # (BM, BN), log2 units
+            valid = inside
+            if TOKENS & 1:
+                valid = _token_mask(valid, seg, 0, m0, cols, sm0)
+            if TOKENS & 2:
+                valid = _token_mask(valid, seg, 1, m1, cols - e1, sm1)
+            if TOKENS & 4:
+                valid = _token_mask(valid, seg, 2, m2, cols - e2, sm2)
+            if TOKENS & 8:
+                valid = _token_mask(valid, seg, 3, m3, cols - e3, sm3)
+            if FLAGS & 1:
+                valid = valid & ((seg != 0) | f0)
+            if FLAGS & 2:
+                valid = valid & ((seg != 1) | f1)
+            if FLAGS & 4:
+                valid = valid & ((seg != 2) | f2)
+            if FLAGS & 8:
+                valid = valid & ((seg != 3) | f3)
+            s = tl.where(valid[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp2(s - m_safe[:, None])
+            alpha = tl.exp2(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            vb = tl.load(vr[:, None] + dims[None, :], mask=inside[:, None], other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(vb.dtype), vb, input_precision=PRECISION)
+            m_i = m_new
+        return acc, m_i, l_i
+
+    @triton.jit
+    def _flag(m, FLAGS: tl.constexpr, i: tl.constexpr):
+        """Source ``i``'s per-slot flag (True when its mask is per token or absent)."""
+        if FLAGS & (1 << i):
+            return tl.load(m) != 0
+        return True
 
     @triton.jit
     def _attention_kernel(
-        q, out, TQ, H, G, scale, sq_n, sq_h, sq_t,
+        q, out, part, TQ, H, G, scale, sq_n, sq_h, sq_t,
         k0, v0, m0, sk0_n, sk0_g, sk0_t, sv0_n, sv0_g, sv0_t, sm0_n, sm0_t,
         k1, v1, m1, e1, sk1_n, sk1_g, sk1_t, sv1_n, sv1_g, sv1_t, sm1_n, sm1_t,
         k2, v2, m2, e2, sk2_n, sk2_g, sk2_t, sv2_n, sv2_g, sv2_t, sm2_n, sm2_t,
-        k3, v3, m3, e3, sk3_n, sk3_g, sk3_t, sv3_n, sv3_g, sv3_t, sm3_n, sm3_t, TK,
-        SOURCES: tl.constexpr, MASKED: tl.constexpr, ALIGNED: tl.constexpr,
-        BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, PRECISION: tl.constexpr,
+        k3, v3, m3, e3, sk3_n, sk3_g, sk3_t, sv3_n, sv3_g, sv3_t, sm3_n, sm3_t, TK, TM, CHUNK,
+        SOURCES: tl.constexpr, TOKENS: tl.constexpr, FLAGS: tl.constexpr, ALIGNED: tl.constexpr,
+        SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, PRECISION: tl.constexpr,
     ):  # fmt: skip
         # Sources 0 .. SOURCES-1 (context segments, then the own block) form one sequence of TK
-        # keys; source i starts at key e_i (e_0 = 0). A block of BN keys may span sources: each
-        # key's row is looked up in its own source (a selected pointer, whose alignment Triton 3.9
-        # no longer infers, so ALIGNED states it). Bit i of MASKED: source i has a mask.
+        # keys. Keys below TM (a multiple of BN) are swept with the per-token masks, the rest
+        # without. Program (i, j, s) takes keys s*CHUNK .. (s+1)*CHUNK; with SPLIT its softmax
+        # state (acc, max, sum) goes to ``part`` for _combine_kernel, else the output to ``out``.
         pid_nk = tl.program_id(1)
         n = (pid_nk // (H // G)).to(tl.int64)  # G = h / g query heads per key/value head
         kvh = pid_nk % (H // G)
@@ -95,49 +171,60 @@ if triton is not None:
         qb = tl.load(
             q + n * sq_n + head[:, None] * sq_h + t[:, None] * sq_t + dims[None, :], mask=live[:, None], other=0.0
         )
+        k0, v0, m0 = k0 + n * sk0_n + kvh * sk0_g, v0 + n * sv0_n + kvh * sv0_g, m0 + n * sm0_n
+        k1, v1, m1 = k1 + n * sk1_n + kvh * sk1_g, v1 + n * sv1_n + kvh * sv1_g, m1 + n * sm1_n
+        k2, v2, m2 = k2 + n * sk2_n + kvh * sk2_g, v2 + n * sv2_n + kvh * sv2_g, m2 + n * sm2_n
+        k3, v3, m3 = k3 + n * sk3_n + kvh * sk3_g, v3 + n * sv3_n + kvh * sv3_g, m3 + n * sm3_n
+        f0, f1, f2, f3 = _flag(m0, FLAGS, 0), _flag(m1, FLAGS, 1), _flag(m2, FLAGS, 2), _flag(m3, FLAGS, 3)
         acc = tl.zeros((BM, D), dtype=tl.float32)
         m_i = tl.full((BM,), float("-inf"), tl.float32)
         l_i = tl.zeros((BM,), dtype=tl.float32)
-        for start in range(0, TK, BN):
-            cols = start + tl.arange(0, BN)
-            inside = cols < TK
-            seg = (cols >= e1).to(tl.int32)
-            if SOURCES > 2:
-                seg += (cols >= e2).to(tl.int32)
-            if SOURCES > 3:
-                seg += (cols >= e3).to(tl.int32)
-            kr = k0 + n * sk0_n + kvh * sk0_g + cols * sk0_t
-            vr = v0 + n * sv0_n + kvh * sv0_g + cols * sv0_t
-            kr = _select(kr, seg, 1, k1, n, kvh, cols - e1, sk1_n, sk1_g, sk1_t)
-            vr = _select(vr, seg, 1, v1, n, kvh, cols - e1, sv1_n, sv1_g, sv1_t)
-            if SOURCES > 2:
-                kr = _select(kr, seg, 2, k2, n, kvh, cols - e2, sk2_n, sk2_g, sk2_t)
-                vr = _select(vr, seg, 2, v2, n, kvh, cols - e2, sv2_n, sv2_g, sv2_t)
-            if SOURCES > 3:
-                kr = _select(kr, seg, 3, k3, n, kvh, cols - e3, sk3_n, sk3_g, sk3_t)
-                vr = _select(vr, seg, 3, v3, n, kvh, cols - e3, sv3_n, sv3_g, sv3_t)
-            if ALIGNED:  # every key/value row starts on 16 bytes: vector loads, pipelined (cp.async)
-                kr = tl.multiple_of(kr, 16)
-                vr = tl.multiple_of(vr, 16)
-            kb = tl.load(kr[:, None] + dims[None, :], mask=inside[:, None], other=0.0)
-            s = tl.dot(qb, tl.trans(kb), input_precision=PRECISION) * scale  # (BM, BN), log2 units
-            valid = inside
-            if MASKED & 1:
-                valid = _valid(valid, seg, 0, m0, n, cols, sm0_n, sm0_t)
-            if MASKED & 2:
-                valid = _valid(valid, seg, 1, m1, n, cols - e1, sm1_n, sm1_t)
-            if MASKED & 4:
-                valid = _valid(valid, seg, 2, m2, n, cols - e2, sm2_n, sm2_t)
-            if MASKED & 8:
-                valid = _valid(valid, seg, 3, m3, n, cols - e3, sm3_n, sm3_t)
-            s = tl.where(valid[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
+        lo = tl.program_id(2) * CHUNK
+        hi = tl.minimum(lo + CHUNK, TK)
+        sources = (
+            k0, v0, m0, f0, sk0_t, sv0_t, sm0_t,
+            k1, v1, m1, f1, e1, sk1_t, sv1_t, sm1_t,
+            k2, v2, m2, f2, e2, sk2_t, sv2_t, sm2_t,
+            k3, v3, m3, f3, e3, sk3_t, sv3_t, sm3_t,
+        )  # fmt: skip
+        acc, m_i, l_i = _sweep(
+            acc, m_i, l_i, qb, lo, tl.minimum(hi, TM), TK, scale, *sources,
+            SOURCES, TOKENS, FLAGS, ALIGNED, BN, D, PRECISION,
+        )  # fmt: skip
+        acc, m_i, l_i = _sweep(
+            acc, m_i, l_i, qb, tl.maximum(lo, TM), hi, TK, scale, *sources, SOURCES, 0, FLAGS, ALIGNED, BN, D, PRECISION
+        )
+        if SPLIT:  # part: (splits, N*g, rows, D + 2) float32, rows padded to BM
+            at = part + ((tl.program_id(2) * tl.num_programs(1) + pid_nk) * tl.num_programs(0) * BM + rows) * (D + 2)
+            tl.store(at[:, None] + dims[None, :], acc)
+            tl.store(at + D, m_i)
+            tl.store(at + D + 1, l_i)
+        else:
+            o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+            dst = out + ((n * TQ + t[:, None]) * H + head[:, None]) * D + dims[None, :]
+            tl.store(dst, o.to(out.dtype.element_ty), mask=live[:, None])
+
+    @triton.jit
+    def _combine_kernel(part, out, TQ, H, G, SPLITS, BM: tl.constexpr, D: tl.constexpr):
+        """Merge the SPLITS softmax states of _attention_kernel's split programs into ``out``."""
+        pid_nk = tl.program_id(1)
+        n = (pid_nk // (H // G)).to(tl.int64)
+        rows = tl.program_id(0) * BM + tl.arange(0, BM)
+        live = rows < G * TQ
+        head = (pid_nk % (H // G)) * G + rows // TQ
+        t = rows % TQ
+        dims = tl.arange(0, D)
+        acc = tl.zeros((BM, D), dtype=tl.float32)
+        m_i = tl.full((BM,), float("-inf"), tl.float32)
+        l_i = tl.zeros((BM,), dtype=tl.float32)
+        for s in range(SPLITS):
+            at = part + ((s * tl.num_programs(1) + pid_nk) * tl.num_programs(0) * BM + rows) * (D + 2)
+            m_s = tl.load(at + D)
+            m_new = tl.maximum(m_i, m_s)
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp2(s - m_safe[:, None])
-            alpha = tl.exp2(m_i - m_safe)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            vb = tl.load(vr[:, None] + dims[None, :], mask=inside[:, None], other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(vb.dtype), vb, input_precision=PRECISION)
+            alpha, beta = tl.exp2(m_i - m_safe), tl.exp2(m_s - m_safe)
+            l_i = l_i * alpha + tl.load(at + D + 1) * beta
+            acc = acc * alpha[:, None] + tl.load(at[:, None] + dims[None, :]) * beta[:, None]
             m_i = m_new
         o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         dst = out + ((n * TQ + t[:, None]) * H + head[:, None]) * D + dims[None, :]
@@ -170,25 +257,41 @@ def attention_triton(
     bm = max(16, min(64 if d <= 128 else 32, triton.next_power_of_2(group * tq)))
     grid = (triton.cdiv(group * tq, bm), n * g)
     bn, warps = (128 if d <= 64 and bm > 32 else 64, 4) if d <= 128 else (32, 8)  # few programs: wide blocks
-    if d <= 64 and grid[0] * grid[1] >= _sm_count(q.device):  # throughput-bound: many programs
+    sms = _sm_count(q.device)
+    if d <= 64 and grid[0] * grid[1] >= sms:  # throughput-bound: many programs
         bn, warps = 32, 2 if bm <= 32 else 4  # the fastest launch shape at 1024 and 4096 slots on an H200
-    args, masked, start = [], 0, 0
+    args, tokens, flags, start, token_end = [], 0, 0, 0, 0
     for i, (sk, sv, sm) in enumerate([*sources, *[sources[-1]] * (MAX_SEGMENTS + 1 - len(sources))]):
+        real = i < len(sources)
         m8 = q if sm is None else sm.view(torch.uint8)  # any tensor stands in for an absent mask
-        masked |= (sm is not None and i < len(sources)) << i
+        if sm is not None and real and (sm.shape[1] == 1 or sm.stride(1) == 0):
+            flags |= 1 << i  # one flag per slot, expanded over the tokens: loaded once, not per key
+        elif sm is not None and real:
+            tokens |= 1 << i
+            token_end = start + sk.shape[2]
         sm_strides = (0, 0) if sm is None else m8.stride()
         args += [sk, sv, m8, *([start] if i else []), *sk.stride()[:3], *sv.stride()[:3], *sm_strides]
-        start += sk.shape[2] if i < len(sources) else 0
+        start += sk.shape[2] if real else 0
     rows = [x for src in sources for x in src[:2]]
     aligned = all(
         x.data_ptr() % 16 == 0 and all(st * x.element_size() % 16 == 0 for st in x.stride()[:3]) for x in rows
     )
+    # Few programs, many key blocks: each program's keys are a long serial chain, so the keys are
+    # split over more programs (at least 4 blocks each) and their softmax states merged after.
+    blocks, programs = triton.cdiv(start, bn), grid[0] * grid[1]
+    splits = min(blocks // 4, sms // programs) if 2 * programs <= sms and blocks >= 8 else 1
+    chunk = triton.cdiv(max(blocks, 1), splits) * bn
+    splits = triton.cdiv(start, chunk)
+    part = out if splits == 1 else q.new_empty((splits, grid[1], grid[0] * bm, d + 2), dtype=torch.float32)
     if n * tq:
-        _attention_kernel[grid](
-            q, out, tq, h, group, math.log2(math.e) / math.sqrt(d), *q.stride()[:3], *args, start,
-            SOURCES=len(sources), MASKED=masked, ALIGNED=aligned, BM=bm, BN=bn, D=d,
+        _attention_kernel[(*grid, splits)](
+            q, out, part, tq, h, group, math.log2(math.e) / math.sqrt(d), *q.stride()[:3], *args, start,
+            triton.cdiv(token_end, bn) * bn, chunk, SOURCES=len(sources), TOKENS=tokens, FLAGS=flags,
+            ALIGNED=aligned, SPLIT=splits > 1, BM=bm, BN=bn, D=d,
             PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=warps,
         )  # fmt: skip
+        if splits > 1:
+            _combine_kernel[grid](part, out, tq, h, group, splits, BM=bm, D=d, num_warps=4)
     return out
 
 

@@ -123,6 +123,8 @@ def test_qkv_rope_writes_rotated_heads_into_a_cache_view(device, heads, kv_heads
         (4, 1, 16, 16, (), 64, 3),
         (8, 2, 50, 50, (48, 82), 128, 3),
         (2, 2, 3, 5, (7, 1, 4, 9), 16, 3),  # more segments than one launch reads: concatenated first
+        (4, 1, 8, 8, (300, 400), 64, 3),  # few programs, many key blocks: keys split over programs
+        (8, 1, 50, 50, (48, 769), 256, 1),  # pi0's expert at one slot: split, head dim 256
     ],
 )
 def test_attention_over_context_segments_and_own_keys(device, heads, kv_heads, tq, tk, context, d, n):
@@ -167,6 +169,31 @@ def test_attention_over_segments_not_on_16_byte_rows(device):
         got = attention_triton(q, k, v, None, segments)
         f = lambda x: x.float()  # noqa: E731
         close(got, attention_reference(f(q), f(k), f(v), None, [(f(a), f(b), m) for a, b, m in segments]), dtype)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("context", [(16, 65), (300, 400)])  # one program per slot; keys split over programs
+def test_attention_rows_with_no_valid_key_are_zero(device, context):
+    """Slot 0 has every key masked out, by a per-token mask and by per-slot flags: its rows are
+    zeros (SDPA would give NaN); slot 1 keeps its keys and matches the reference."""
+    g = torch.Generator(device=device).manual_seed(sum(context))
+    n, tq, d = 2, 8, 64
+    for dtype in dtypes(device):
+        rnd = lambda *s, dt=dtype: torch.randn(*s, device=device, generator=g).to(dt)  # noqa: E731
+        q, k, v = rnd(n, 4, tq, d), rnd(n, 1, tq, d), rnd(n, 1, tq, d)
+        tokens = torch.ones(n, context[0], dtype=torch.bool, device=device)
+        tokens[0] = False
+        flag = torch.tensor([[False], [True]], device=device)
+        segments = [(rnd(n, 1, context[0], d), rnd(n, 1, context[0], d), tokens)]
+        segments.append((rnd(n, 1, context[1], d), rnd(n, 1, context[1], d), flag.expand(-1, context[1])))
+        poison_allocator(device)
+        got = attention_triton(q, k, v, flag.expand(-1, tq), segments)
+        assert torch.equal(got[0], torch.zeros_like(got[0]))
+        f = lambda x: x.float()  # noqa: E731
+        want = attention_reference(
+            f(q[1:]), f(k[1:]), f(v[1:]), None, [(f(a[1:]), f(b[1:]), None) for a, b, _ in segments]
+        )
+        close(got[1:], want, dtype)
 
 
 def test_attention_names_the_segment_that_does_not_fit():
