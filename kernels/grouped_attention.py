@@ -13,9 +13,9 @@ least as many programs as SMs (many slots) the key blocks are narrower (32 keys)
 programs smaller (2 warps for 32 rows): more of them fit on an SM (docs/PERFORMANCE.md has the
 before and after). With few programs and many key blocks (pi0's expert at one slot: 13 programs,
 28 blocks each) the keys are split over more programs, whose softmax states a second kernel
-merges. Masks cost per key only where they vary per key: a mask that is one flag per slot (an
-expanded ``(N, 1)``, stride 0) is read once per program, and the key blocks after the last
-per-token-masked source are swept by a loop without mask loads. Products run on tensor cores in
+merges. With 3 or more key blocks after the last per-token-masked source, those blocks are
+swept by a second loop without mask loads, and a mask that is one flag per slot (an expanded
+``(N, 1)``, stride 0) is read once per program rather than per key. Products run on tensor cores in
 the inputs' dtype (bf16), in full float32 for float32 inputs. The output is written as
 ``(N, Tq, h, d)``: the layout the output projection reads. Rows with every key masked out
 return zeros (SDPA: NaN).
@@ -154,12 +154,14 @@ if triton is not None:
         k2, v2, m2, e2, sk2_n, sk2_g, sk2_t, sv2_n, sv2_g, sv2_t, sm2_n, sm2_t,
         k3, v3, m3, e3, sk3_n, sk3_g, sk3_t, sv3_n, sv3_g, sv3_t, sm3_n, sm3_t, TK, TM, CHUNK,
         SOURCES: tl.constexpr, TOKENS: tl.constexpr, FLAGS: tl.constexpr, ALIGNED: tl.constexpr,
-        SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, PRECISION: tl.constexpr,
+        TWO_LOOPS: tl.constexpr, SPLIT: tl.constexpr,
+        BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, PRECISION: tl.constexpr,
     ):  # fmt: skip
         # Sources 0 .. SOURCES-1 (context segments, then the own block) form one sequence of TK
-        # keys. Keys below TM (a multiple of BN) are swept with the per-token masks, the rest
-        # without. Program (i, j, s) takes keys s*CHUNK .. (s+1)*CHUNK; with SPLIT its softmax
-        # state (acc, max, sum) goes to ``part`` for _combine_kernel, else the output to ``out``.
+        # keys. With TWO_LOOPS, keys below TM (a multiple of BN) are swept with the per-token
+        # masks and the rest by a second loop without them; else one loop loads them all.
+        # Program (i, j, s) takes keys s*CHUNK .. (s+1)*CHUNK; with SPLIT its softmax state
+        # (acc, max, sum) goes to ``part`` for _combine_kernel, else the output to ``out``.
         pid_nk = tl.program_id(1)
         n = (pid_nk // (H // G)).to(tl.int64)  # G = h / g query heads per key/value head
         kvh = pid_nk % (H // G)
@@ -179,21 +181,26 @@ if triton is not None:
         acc = tl.zeros((BM, D), dtype=tl.float32)
         m_i = tl.full((BM,), float("-inf"), tl.float32)
         l_i = tl.zeros((BM,), dtype=tl.float32)
-        lo = tl.program_id(2) * CHUNK
-        hi = tl.minimum(lo + CHUNK, TK)
+        lo, hi = 0, TK
+        if SPLIT:
+            lo = tl.program_id(2) * CHUNK
+            hi = tl.minimum(lo + CHUNK, TK)
         sources = (
             k0, v0, m0, f0, sk0_t, sv0_t, sm0_t,
             k1, v1, m1, f1, e1, sk1_t, sv1_t, sm1_t,
             k2, v2, m2, f2, e2, sk2_t, sv2_t, sm2_t,
             k3, v3, m3, f3, e3, sk3_t, sv3_t, sm3_t,
         )  # fmt: skip
+        if TWO_LOOPS:
+            acc, m_i, l_i = _sweep(
+                acc, m_i, l_i, qb, lo, tl.minimum(hi, TM), TK, scale, *sources,
+                SOURCES, TOKENS, FLAGS, ALIGNED, BN, D, PRECISION,
+            )  # fmt: skip
+            lo = tl.maximum(lo, TM)
         acc, m_i, l_i = _sweep(
-            acc, m_i, l_i, qb, lo, tl.minimum(hi, TM), TK, scale, *sources,
-            SOURCES, TOKENS, FLAGS, ALIGNED, BN, D, PRECISION,
+            acc, m_i, l_i, qb, lo, hi, TK, scale, *sources,
+            SOURCES, 0 if TWO_LOOPS else TOKENS, FLAGS, ALIGNED, BN, D, PRECISION,
         )  # fmt: skip
-        acc, m_i, l_i = _sweep(
-            acc, m_i, l_i, qb, tl.maximum(lo, TM), hi, TK, scale, *sources, SOURCES, 0, FLAGS, ALIGNED, BN, D, PRECISION
-        )
         if SPLIT:  # part: (splits, N*g, rows, D + 2) float32, rows padded to BM
             at = part + ((tl.program_id(2) * tl.num_programs(1) + pid_nk) * tl.num_programs(0) * BM + rows) * (D + 2)
             tl.store(at[:, None] + dims[None, :], acc)
@@ -265,7 +272,7 @@ def attention_triton(
         real = i < len(sources)
         m8 = q if sm is None else sm.view(torch.uint8)  # any tensor stands in for an absent mask
         if sm is not None and real and (sm.shape[1] == 1 or sm.stride(1) == 0):
-            flags |= 1 << i  # one flag per slot, expanded over the tokens: loaded once, not per key
+            flags |= 1 << i  # one flag per slot, expanded over the tokens
         elif sm is not None and real:
             tokens |= 1 << i
             token_end = start + sk.shape[2]
@@ -279,6 +286,12 @@ def attention_triton(
     # Few programs, many key blocks: each program's keys are a long serial chain, so the keys are
     # split over more programs (at least 4 blocks each) and their softmax states merged after.
     blocks, programs = triton.cdiv(start, bn), grid[0] * grid[1]
+    # Per-token masks in the first blocks only, flags read once before the keys: pays from 3
+    # unmasked blocks on. With fewer, the second loop's set-up and the flags' load before the
+    # first block cost more than they save (tiny's frame at one slot: 8.9 against 5.9 us).
+    two_loops = blocks - triton.cdiv(token_end, bn) >= 3
+    if not two_loops:
+        tokens, flags = tokens | flags, 0
     splits = min(blocks // 4, sms // programs) if 2 * programs <= sms and blocks >= 8 else 1
     chunk = triton.cdiv(max(blocks, 1), splits) * bn
     splits = triton.cdiv(start, chunk)
@@ -287,7 +300,7 @@ def attention_triton(
         _attention_kernel[(*grid, splits)](
             q, out, part, tq, h, group, math.log2(math.e) / math.sqrt(d), *q.stride()[:3], *args, start,
             triton.cdiv(token_end, bn) * bn, chunk, SOURCES=len(sources), TOKENS=tokens, FLAGS=flags,
-            ALIGNED=aligned, SPLIT=splits > 1, BM=bm, BN=bn, D=d,
+            ALIGNED=aligned, TWO_LOOPS=two_loops, SPLIT=splits > 1, BM=bm, BN=bn, D=d,
             PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=warps,
         )  # fmt: skip
         if splits > 1:
