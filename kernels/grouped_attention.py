@@ -212,7 +212,7 @@ if triton is not None:
             tl.store(dst, o.to(out.dtype.element_ty), mask=live[:, None])
 
     @triton.jit
-    def _combine_kernel(part, out, TQ, H, G, SPLITS, BM: tl.constexpr, D: tl.constexpr):
+    def _combine_kernel(part, out, TQ, H, G, SPLITS: tl.constexpr, BM: tl.constexpr, D: tl.constexpr):
         """Merge the SPLITS softmax states of _attention_kernel's split programs into ``out``."""
         pid_nk = tl.program_id(1)
         n = (pid_nk // (H // G)).to(tl.int64)
@@ -224,7 +224,7 @@ if triton is not None:
         acc = tl.zeros((BM, D), dtype=tl.float32)
         m_i = tl.full((BM,), float("-inf"), tl.float32)
         l_i = tl.zeros((BM,), dtype=tl.float32)
-        for s in range(SPLITS):
+        for s in tl.static_range(SPLITS):  # unrolled: every split's loads in flight at once
             at = part + ((s * tl.num_programs(1) + pid_nk) * tl.num_programs(0) * BM + rows) * (D + 2)
             m_s = tl.load(at + D)
             m_new = tl.maximum(m_i, m_s)
@@ -304,7 +304,7 @@ def attention_triton(
             PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=warps,
         )  # fmt: skip
         if splits > 1:
-            _combine_kernel[grid](part, out, tq, h, group, splits, BM=bm, D=d, num_warps=4)
+            _combine_kernel[grid](part, out, tq, h, group, SPLITS=splits, BM=bm, D=d, num_warps=4)
     return out
 
 
