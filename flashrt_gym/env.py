@@ -177,6 +177,9 @@ class FlashRTVectorEnv(VectorEnv):
         self._graph = runtime.Graph("env.step", backend=backend).bind("state", self.bufs)
         self._key = (n, action_mode, autoreset)
         self._started = False
+        # An upper bound on max(env.next_start), kept on the host so that a step need not read
+        # the buffer back to know the pool still holds every slot's next start (None: unknown).
+        self._next_start_bound: int | None = None
 
     # -- the step program (captured) -----------------------------------------------------------
     def _write_obs(self, prefix: str) -> None:
@@ -231,13 +234,22 @@ class FlashRTVectorEnv(VectorEnv):
         self.registry.pin(name)
         self._pool_base = base
 
+    def _advance_next_start_bound(self) -> None:
+        """A _take_starts ran: every slot's next start grew by at most num_envs."""
+        if self._next_start_bound is not None:
+            self._next_start_bound += self.num_envs
+
     def _refresh_pool(self) -> None:
         """Move to the next block of seeds once some slot has used up the pool; every slot then
         starts over at its own row of the new pool (rows a slot had not reached are skipped)."""
+        if self._next_start_bound is not None and self._next_start_bound < self.pool_size:
+            return  # no slot can have reached the pool's end: no read-back
         nxt = self.bufs["env.next_start"]
-        if int(nxt.max()) >= self.pool_size:
+        self._next_start_bound = int(nxt.max())
+        if self._next_start_bound >= self.pool_size:
             self._use_pool(self._pool_base + self.pool_size)
             nxt.copy_(torch.arange(self.num_envs, device=self.device))
+            self._next_start_bound = self.num_envs - 1
 
     # -- Gymnasium API -------------------------------------------------------------------------
     def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
@@ -263,6 +275,7 @@ class FlashRTVectorEnv(VectorEnv):
             if seed is not None:
                 self._use_pool(int(seed))
             self._take_starts(torch.as_tensor(mask, device=self.device))
+            self._advance_next_start_bound()
             self._refresh_pool()
         else:
             base = int(seed) if seed is not None else int(self.np_random.integers(0, 2**31 - 1))
@@ -271,6 +284,7 @@ class FlashRTVectorEnv(VectorEnv):
             everyone = torch.ones(self.num_envs, dtype=torch.bool, device=self.device)
             b["env.next_start"].copy_(torch.arange(self.num_envs, device=self.device))
             self._take_starts(everyone)
+            self._next_start_bound = 2 * self.num_envs - 1
             self._started = True
         self._write_obs("obs")
         return self._obs("obs"), self._reset_info()
@@ -286,12 +300,15 @@ class FlashRTVectorEnv(VectorEnv):
             raise ValueError(f"actions must have shape {want} (num_envs, {what}), got {tuple(a.shape)}")
         if not a.is_floating_point():
             raise ValueError(f"actions must be floating point, got {a.dtype}")
-        a = a.to(self.device, torch.float32)
         lo, hi = float(self.single_action_space.low[0]), float(self.single_action_space.high[0])
-        if not ((a >= lo - 1e-6) & (a <= hi + 1e-6)).all():  # one host sync; NaN fails both bounds
+        # Checked where the actions are (host actions never wait on the GPU): one reduction and,
+        # for device actions, one read-back. NaN propagates through min/max and fails both bounds.
+        least, most = torch.stack(torch.aminmax(a.detach().flatten())).tolist()
+        if not (least >= lo - 1e-6 and most <= hi + 1e-6):
             if not torch.isfinite(a).all():
                 raise ValueError("actions contain NaN or infinity")
             raise ValueError(f"actions must lie in [{lo}, {hi}] (the action space); clip them first")
+        a = a.to(self.device, torch.float32)
         return a.repeat(1, self.horizon) if self.repeat_over_horizon else a  # (n, horizon * action_dim)
 
     def step_torch(self, actions: torch.Tensor) -> tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor, dict]:
@@ -303,6 +320,8 @@ class FlashRTVectorEnv(VectorEnv):
         if self._key not in self._graph:
             self._graph.capture(self._key, self._program)
         self._graph.replay(self._key)
+        if self.autoreset:  # the program's _take_starts
+            self._advance_next_start_bound()
         b = self.bufs
         out = (
             self._obs("obs", numpy=False),
@@ -349,6 +368,7 @@ class FlashRTVectorEnv(VectorEnv):
         return runtime.snapshot(self.bufs, slots, meta={"pool_base": self._pool_base, "pool_size": self.pool_size})
 
     def _after_restore(self, capsule: Capsule) -> None:
+        self._next_start_bound = None  # env.next_start came with the capsule
         base = capsule.meta.get("pool_base")
         if base is not None and capsule.slots is None:
             self._use_pool(int(base))
@@ -372,7 +392,7 @@ class FlashRTVectorEnv(VectorEnv):
         """Copy slot ``src_slot``'s boundary into ``dst_slots``. With ``reseed`` each destination
         gets its own policy RNG stream (residual-mode branches then diverge)."""
         dst = list(dst_slots)
-        runtime.fork(self.bufs, int(src_slot), dst)
+        runtime.fork(self.bufs, int(src_slot), dst)  # slot rows only: env.next_start is shared
         if reseed:
             idx = torch.tensor(dst, device=self.device)
             key = self.bufs["policy.rng_key"]

@@ -245,6 +245,58 @@ def test_episodes_truncate_after_max_episode_steps_and_the_pool_refreshes():
     assert env._pool_base != first_base
 
 
+class ReadsBackEveryStep(FlashRTVectorEnv):
+    """The env without its host-side bound: every pool check reads ``env.next_start`` back."""
+
+    def _refresh_pool(self) -> None:
+        self._next_start_bound = None
+        super()._refresh_pool()
+
+
+def test_the_pool_check_skips_read_backs_only_where_no_refresh_can_be_due(monkeypatch):
+    """Steps, resets, snapshot/restore and fork near the pool's end: the env that skips
+    read-backs by its bound refreshes the pool exactly when the one that reads back every step
+    does, so both give the same observations and pool bases throughout."""
+    kw = {"device": "cpu", "pool_size": 12, "max_episode_steps": 1}  # every slot takes a start each step
+    fast, slow = FlashRTVectorEnv(3, **kw), ReadsBackEveryStep(3, **kw)
+    trace = {}
+    for name, env in (("fast", fast), ("slow", slow)):
+        acts = actions(env, 6, seed=1)
+        log = [(env.reset(seed=0)[0], env._pool_base)]
+        step = lambda a, env=env, log=log: log.append((env.step(a)[0], env._pool_base))  # noqa: E731
+        step(acts[0])
+        step(acts[1])
+        late = env.snapshot()  # next starts 9..11 of 12: the next step uses the pool up
+        step(acts[2])
+        log.append((env.reset(seed=0)[0], env._pool_base))  # next starts back to 3..5
+        log.append((env.restore(late), env._pool_base))  # and forward to 9..11 again
+        step(acts[3])
+        step(acts[4])
+        log.append((env.fork(1, [0, 2]), env._pool_base))
+        for a in acts:
+            step(a)
+        log.append((env.reset(options={"reset_mask": np.array([True, False, True])})[0], env._pool_base))
+        step(acts[5])
+        trace[name] = log
+    bases = [base for _, base in trace["slow"]]
+    assert len(set(bases)) >= 3, "the sequence must cross pool refreshes to test anything"
+    for (obs_f, base_f), (obs_s, base_s) in zip(trace["fast"], trace["slow"], strict=True):
+        assert base_f == base_s and np.array_equal(obs_f, obs_s)
+    env = FlashRTVectorEnv(3, device="cpu", pool_size=12)
+    env.reset(seed=0)  # next starts 3..5 of 12 rows; a step moves each by at most 3
+    nxt = env.bufs["env.next_start"]
+    reads = []
+    original = torch.Tensor.max
+    monkeypatch.setattr(
+        torch.Tensor, "max", lambda t, *a, **k: reads.append(t.data_ptr() == nxt.data_ptr()) or original(t, *a, **k)
+    )
+    for _ in range(2):  # at most 8, then 11: no refresh can be due
+        env.step(actions(env, 1)[0])
+    assert not any(reads), "no refresh can be due within two steps of a reset: no read-back"
+    env.step(actions(env, 1)[0])  # at most 14: one may be
+    assert any(reads), "a refresh may be due: the step must read back"
+
+
 def test_torch_native_step_keeps_tensors():
     env = make(2)
     env.reset(seed=0)
