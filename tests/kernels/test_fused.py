@@ -196,6 +196,35 @@ def test_attention_rows_with_no_valid_key_are_zero(device, context):
         close(got[1:], want, dtype)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_attention_splits_the_keys_only_when_programs_are_few(device, monkeypatch):
+    """Three slots over 708 keys (three programs, twelve key blocks each) take the split launch
+    and its merge; 70 slots (programs on more than half the SMs) do not. Both match the reference."""
+    import kernels.grouped_attention as ga
+
+    merges = []
+    combine = ga._combine_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            merges.append(grid)
+            return combine[grid]
+
+    monkeypatch.setattr(ga, "_combine_kernel", Spy())
+    g = torch.Generator(device=device).manual_seed(11)
+    for n, split in ((3, True), (70, False)):
+        for dtype in dtypes(device):
+            rnd = lambda *s, dt=dtype: torch.randn(*s, device=device, generator=g).to(dt)  # noqa: E731
+            q, k, v = rnd(n, 4, 8, 64), rnd(n, 1, 8, 64), rnd(n, 1, 8, 64)
+            segments = [(rnd(n, 1, 300, 64), rnd(n, 1, 300, 64), None), (rnd(n, 1, 400, 64), rnd(n, 1, 400, 64), None)]
+            merges.clear()
+            got = attention_triton(q, k, v, None, segments)
+            assert bool(merges) == split
+            f = lambda x: x.float()  # noqa: E731
+            want = attention_reference(f(q), f(k), f(v), None, [(f(a), f(b), None) for a, b, _ in segments])
+            close(got, want, dtype)
+
+
 def test_attention_names_the_segment_that_does_not_fit():
     q, k = torch.randn(2, 4, 8, 16), torch.randn(2, 1, 8, 16)
     seg = torch.randn(2, 1, 5, 16)
