@@ -1,4 +1,4 @@
-"""Memory-bound GPU kernels (Triton), each in a small module beside the torch reference it must match.
+"""Fused GPU kernels (Triton), each in a small module beside the torch reference it must match.
 
 Every public function takes its Triton kernel on CUDA (when Triton is installed and no autograd
 graph runs through it) and its torch reference everywhere else, so one call site runs on the
@@ -11,6 +11,7 @@ module                           kernels
 ``kernels.norm``                 residual add + RMSNorm / LayerNorm
 ``kernels.activation``           gated-MLP activation ``gelu_tanh(gate) * up``; linear + GELU (cuBLASLt epilogue)
 ``kernels.rotary``               QKV split + rotary embedding, keys/values written into cache views
+``kernels.norm_linear``          RMSNorm + projection + its consumer (rotary split, or GeGLU) in one pass
 ``kernels.grouped_attention``    grouped-query attention over context segments and own keys, read in place
 ``kernels.flow``                 folded time embedding, and final norm + output projection + Euler update
 ``kernels.rng``                  per-slot counter-based Gaussian noise (draw + counter bump)
@@ -23,11 +24,12 @@ from kernels.backend import implementation, reference_only, use_triton
 from kernels.flow import euler_step, time_embed
 from kernels.grouped_attention import attention
 from kernels.norm import add_layer_norm, add_rms_norm
+from kernels.norm_linear import rms_norm_geglu, rms_norm_qkv_rope
 from kernels.rng import draw_normal_
 from kernels.rotary import qkv_rope
 from kernels.slot_copy import masked_copy_rows, masked_copy_rows_reference, scatter_rows
 
-__version__ = "0.4.0"  # bump when a kernel's numerics change: capsules name the version they were made with
+__version__ = "0.5.0"  # bump when a kernel's numerics change: capsules name the version they were made with
 
 __all__ = [
     "add_layer_norm",
@@ -42,6 +44,8 @@ __all__ = [
     "masked_copy_rows_reference",
     "qkv_rope",
     "reference_only",
+    "rms_norm_geglu",
+    "rms_norm_qkv_rope",
     "scatter_rows",
     "time_embed",
     "use_triton",

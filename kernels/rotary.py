@@ -28,15 +28,25 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1)
 
 
-def _kv_out(qkv: torch.Tensor, heads: int, kv_heads: int, kv_out: torch.Tensor | None) -> torch.Tensor:
-    n, t, width = qkv.shape
+def kv_destination(
+    n: int,
+    t: int,
+    width: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    heads: int,
+    kv_heads: int,
+    kv_out: torch.Tensor | None,
+) -> torch.Tensor:
+    """Where keys/values of ``(N, T)`` tokens projected to ``width = (h + 2g) d`` go: ``kv_out``
+    checked to be ``(N, 2, g, T, d)`` of ``dtype``, or a new tensor of that shape."""
     d = width // (heads + 2 * kv_heads)
     if width != (heads + 2 * kv_heads) * d or d % 2:
         raise ValueError(f"qkv_rope: last dim {width} is not (heads + 2 kv_heads) * an even head dim")
     if kv_out is None:
-        return qkv.new_empty((n, 2, kv_heads, t, d))
-    if kv_out.shape != (n, 2, kv_heads, t, d) or kv_out.dtype != qkv.dtype:
-        raise ValueError(f"qkv_rope: kv_out must be ({n}, 2, {kv_heads}, {t}, {d}) {qkv.dtype}, got {kv_out.shape}")
+        return torch.empty((n, 2, kv_heads, t, d), dtype=dtype, device=device)
+    if kv_out.shape != (n, 2, kv_heads, t, d) or kv_out.dtype != dtype:
+        raise ValueError(f"qkv_rope: kv_out must be ({n}, 2, {kv_heads}, {t}, {d}) {dtype}, got {kv_out.shape}")
     return kv_out
 
 
@@ -50,7 +60,7 @@ def qkv_rope_reference(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Torch reference of :func:`qkv_rope`."""
     n, t, _ = qkv.shape
-    kv_out = _kv_out(qkv, heads, kv_heads, kv_out)
+    kv_out = kv_destination(*qkv.shape, qkv.dtype, qkv.device, heads, kv_heads, kv_out)
     x = qkv.view(n, t, heads + 2 * kv_heads, -1).transpose(1, 2)
     cos, sin = rope_angles(pos0[:, None] + torch.arange(t, device=qkv.device), inv_freq, qkv.dtype)
     q = rotate(x[:, :heads], cos, sin)
@@ -108,7 +118,7 @@ def qkv_rope_triton(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The Triton kernel (called by :func:`qkv_rope` on CUDA)."""
     n, t, _ = qkv.shape
-    kv_out = _kv_out(qkv, heads, kv_heads, kv_out)
+    kv_out = kv_destination(*qkv.shape, qkv.dtype, qkv.device, heads, kv_heads, kv_out)
     d = kv_out.shape[-1]
     if d & (d - 1) or kv_out.stride(-1) != 1:
         return qkv_rope_reference(qkv, pos0, inv_freq, heads, kv_heads, kv_out)

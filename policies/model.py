@@ -26,7 +26,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import add_layer_norm, add_rms_norm, attention, euler_step, gelu_mul, linear_gelu, qkv_rope, time_embed
+from kernels import (
+    add_layer_norm,
+    add_rms_norm,
+    attention,
+    euler_step,
+    linear_gelu,
+    rms_norm_geglu,
+    rms_norm_qkv_rope,
+    time_embed,
+)
 from kernels.grouped_attention import Segment
 from policies.config import PolicyConfig
 
@@ -87,9 +96,11 @@ class Folded:
 class DecoderLayer(nn.Module):
     """Pre-norm layer: GQA self/cross attention with rotary embeddings, gated (GeGLU) MLP.
 
-    Per layer on CUDA: norm, fused q/k/v projection, QKV split + rotary (keys/values written
-    into the caller's cache view), attention over [context; own], output projection, residual
-    add + norm, gate/up projection, activation, down projection accumulated onto the residual.
+    Per layer on CUDA, five kernels: norm + fused q/k/v projection + rotary split (keys/values
+    written into the caller's cache view), attention over [context; own], the output projection
+    accumulated onto the residual, norm + gate/up projection + GeGLU, and the down projection
+    accumulated onto the residual (rows wider than ``kernels.norm_linear.FUSED_MAX_WIDTH`` run
+    each norm, projection and pointwise step apart).
     """
 
     def __init__(self, width: int, heads: int, kv_heads: int, head_dim: int, mlp: int) -> None:
@@ -120,13 +131,18 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x (N, T, W) at positions ``pos0 + t`` attends to the context segments (keys/values
         (N, g, T_i, d), masks (N, T_i)) and to itself (``own_mask`` (N, T)). Returns the new x and
-        its own keys/values (N, g, T, d), written into ``kv_out`` (N, 2, g, T, d) when given."""
+        its own keys/values (N, g, T, d), written into ``kv_out`` (N, 2, g, T, d) when given.
+
+        Unless autograd records through it, the residual stream is updated in place: x is
+        overwritten and returned (pass a tensor no one else reads, as every caller here does)."""
         n, t, _ = x.shape
-        _, y = self.norm1(x)
-        q, k, v = qkv_rope(F.linear(y, self.qkv_weight()), pos0, inv_freq, self.heads, self.kv_heads, kv_out)
-        attn = attention(q, k, v, own_mask, context).reshape(n, t, -1)
-        x, y = self.norm2(x, F.linear(attn, self.o.weight))
-        return add_matmul(x, gelu_mul(F.linear(y, self.gate_up.weight)), self.down.weight), k, v
+        n1, n2 = self.norm1, self.norm2
+        q, k, v = rms_norm_qkv_rope(
+            x, n1.weight, n1.eps, self.qkv_weight(), pos0, inv_freq, self.heads, self.kv_heads, kv_out
+        )
+        x = add_matmul(x, attention(q, k, v, own_mask, context).reshape(n, t, -1), self.o.weight)
+        x = add_matmul(x, rms_norm_geglu(x, n2.weight, n2.eps, self.gate_up.weight), self.down.weight)
+        return x, k, v
 
 
 def add_matmul(x: torch.Tensor, a: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -20,6 +20,14 @@ from kernels.norm import (
     add_rms_norm_reference,
     add_rms_norm_triton,
 )
+from kernels.norm_linear import (
+    rms_norm_geglu,
+    rms_norm_geglu_reference,
+    rms_norm_geglu_triton,
+    rms_norm_qkv_rope,
+    rms_norm_qkv_rope_reference,
+    rms_norm_qkv_rope_triton,
+)
 from kernels.rng import draw_normal_reference, draw_normal_triton
 from kernels.rotary import qkv_rope_reference, qkv_rope_triton
 from tests.kernels.kernel_devices import DEVICES, poison_allocator
@@ -110,6 +118,76 @@ def test_qkv_rope_writes_rotated_heads_into_a_cache_view(device, heads, kv_heads
         assert torch.equal(v, v_ref)
         assert k.data_ptr() == cache[:, 2, 0, :, 5:].data_ptr()  # written in place, nowhere else
         assert cache[:, [0, 1, 3]].isnan().all() and cache[..., :5, :].isnan().all()
+
+
+def norm_linear_inputs(device, dtype, g, rows_shape, width, out):
+    """Residual rows, an RMSNorm weight near 1 and a projection scaled as trained layers are."""
+    x = (2 * torch.randn(*rows_shape, width, device=device, generator=g)).to(dtype)
+    nw = (1 + 0.1 * torch.randn(width, device=device, generator=g)).to(dtype)
+    w = (torch.randn(out, width, device=device, generator=g) / width**0.5).to(dtype)
+    return x, nw, w
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    ("rows_shape", "width", "m"),
+    [((1, 8), 192, 768), ((40, 65), 256, 1024), ((5, 3), 100, 40)],  # one slot; 64-row blocks; ragged
+)
+def test_rms_norm_geglu_matches_norm_then_linear_then_gelu_mul(device, rows_shape, width, m):
+    """The tiny expert at one slot, the frame encode's shape over many rows (a ragged last row
+    block), and widths and column counts off the block sizes."""
+    g = torch.Generator(device=device).manual_seed(width + m)
+    for dtype in dtypes(device):
+        x, nw, w = norm_linear_inputs(device, dtype, g, rows_shape, width, 2 * m)
+        poison_allocator(device)
+        got = rms_norm_geglu_triton(x, nw, 1e-6, w)
+        assert got.shape == (*rows_shape, m)
+        close(got, rms_norm_geglu_reference(x, nw, 1e-6, w), dtype, scale=2)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "d", "n", "t", "width"),
+    [(4, 1, 64, 1, 8, 192), (4, 1, 64, 40, 65, 256), (8, 2, 32, 3, 9, 100)],
+)
+def test_rms_norm_qkv_rope_writes_rotated_heads_into_a_cache_view(device, heads, kv_heads, d, n, t, width):
+    g = torch.Generator(device=device).manual_seed(heads * d + width)
+    inv = 10000.0 ** (-torch.arange(0, d, 2, dtype=torch.float32, device=device) / d)
+    for dtype in dtypes(device):
+        x, nw, w = norm_linear_inputs(device, dtype, g, (n, t), width, (heads + 2 * kv_heads) * d)
+        pos0 = torch.randint(0, 500, (n,), device=device, generator=g)
+        cache = torch.full((n, 4, 2, kv_heads, t + 5, d), float("nan"), device=device, dtype=dtype)
+        poison_allocator(device)
+        q, k, v = rms_norm_qkv_rope_triton(x, nw, 1e-6, w, pos0, inv, heads, kv_heads, cache[:, 2, :, :, 5:])
+        q_ref, k_ref, v_ref = rms_norm_qkv_rope_reference(x, nw, 1e-6, w, pos0, inv, heads, kv_heads)
+        for got, want in ((q, q_ref), (k, k_ref), (v, v_ref)):
+            close(got, want, dtype, scale=2)
+        assert q.shape == (n, heads, t, d)
+        assert k.data_ptr() == cache[:, 2, 0, :, 5:].data_ptr()  # written in place, nowhere else
+        assert cache[:, [0, 1, 3]].isnan().all() and cache[..., :5, :].isnan().all()
+
+
+def test_norm_linear_off_the_fused_path_is_the_unfused_chain():
+    """Where the fused kernel does not run (here the CPU), the calls are the unfused chain."""
+    g = torch.Generator().manual_seed(0)
+    x, nw, w = norm_linear_inputs("cpu", torch.float32, g, (2, 5), 64, 6 * 32)
+    assert torch.equal(rms_norm_geglu(x, nw, 1e-6, w), rms_norm_geglu_reference(x, nw, 1e-6, w))
+    pos0, inv = torch.tensor([3, 40]), torch.rand(16)
+    got = rms_norm_qkv_rope(x, nw, 1e-6, w, pos0, inv, 4, 1)
+    for a, b in zip(got, rms_norm_qkv_rope_reference(x, nw, 1e-6, w, pos0, inv, 4, 1), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_norm_linear_names_the_mismatched_weight():
+    x, nw, w = torch.zeros(2, 3, 8), torch.ones(8), torch.zeros(12, 8)
+    with pytest.raises(ValueError, match=r"norm weight must be \(8,\)"):
+        rms_norm_geglu(x, torch.ones(4), 1e-6, w)
+    with pytest.raises(ValueError, match=r"must be \(out, 8\) as nn.Linear stores it"):
+        rms_norm_geglu(x, nw, 1e-6, w.t())
+    with pytest.raises(ValueError, match="even row count"):
+        rms_norm_geglu(x, nw, 1e-6, torch.zeros(11, 8))
+    with pytest.raises(ValueError, match="pos0 must be"):
+        rms_norm_qkv_rope(x, nw, 1e-6, w, torch.zeros(3, dtype=torch.int64), torch.ones(1), 1, 1)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -1,0 +1,247 @@
+"""RMSNorm, then a linear layer, then its consumer: one kernel where a decoder layer ran three.
+
+A decoder layer's two projections out of its residual stream each run norm -> matmul -> a
+pointwise consumer; this module fuses each chain into one pass:
+
+- :func:`rms_norm_qkv_rope`: ``rms_norm(x) @ W_qkv^T``, split into heads and rotated, queries
+  written as ``(N, h, T, d)`` and keys/values into a caller-given cache view (what
+  :func:`kernels.qkv_rope` does after a separate norm and matmul);
+- :func:`rms_norm_geglu`: ``gelu_tanh(rms_norm(x) @ W_gate^T) * (rms_norm(x) @ W_up^T)``, the
+  gated MLP's input half (what :func:`kernels.gelu_mul` does after a separate norm and matmul).
+
+A program loads a block of rows whole (the width is at most :data:`FUSED_MAX_WIDTH`), takes the
+norm in registers and multiplies it by two weight blocks: the halves of one head (rotary pairs
+element ``i`` with ``i + d/2``) or matching gate and up columns. Neither the normed rows nor the
+projection's output is written to memory. Rounding follows the unfused chain: the normed row as
+:func:`kernels.add_rms_norm` rounds it, the product rounded to the input dtype before the
+rotation or the GELU; only the order of the matmul's sums differs (as between any two GEMMs).
+Wider rows (``pi0``) take the unfused chain, whose matmul is cuBLAS.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kernels.activation import gelu_mul, gelu_mul_reference
+from kernels.backend import tl, triton, use_triton
+from kernels.norm import add_rms_norm, add_rms_norm_reference
+from kernels.rotary import kv_destination, qkv_rope, qkv_rope_reference
+
+FUSED_MAX_WIDTH = 256
+"""Widest rows the fused kernels take: a block of rows is held whole in registers."""
+
+
+def _check(x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor, name: str) -> None:
+    k = x.shape[-1]
+    if norm_weight.shape != (k,):
+        raise ValueError(
+            f"{name}: the norm weight must be ({k},) for rows of width {k}, got {tuple(norm_weight.shape)}"
+        )
+    if weight.dim() != 2 or weight.shape[1] != k:
+        raise ValueError(
+            f"{name}: the projection weight must be (out, {k}) as nn.Linear stores it, got {tuple(weight.shape)}"
+        )
+
+
+def rms_norm_geglu_reference(
+    x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor
+) -> torch.Tensor:
+    """Torch reference of :func:`rms_norm_geglu`."""
+    return gelu_mul_reference(F.linear(add_rms_norm_reference(x, None, norm_weight, eps)[1], weight))
+
+
+def rms_norm_qkv_rope_reference(
+    x: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    pos0: torch.Tensor,
+    inv_freq: torch.Tensor,
+    heads: int,
+    kv_heads: int,
+    kv_out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Torch reference of :func:`rms_norm_qkv_rope`."""
+    y = add_rms_norm_reference(x, None, norm_weight, eps)[1]
+    return qkv_rope_reference(F.linear(y, weight), pos0, inv_freq, heads, kv_heads, kv_out)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _norm_linear_kernel(
+        x, norm_w, weight, out, pos0, inv_freq, k_out, v_out,
+        rows, width, eps, m, T, HEADS, KV_HEADS,
+        sk_n, sk_g, sk_t, sv_n, sv_g, sv_t,
+        ROPE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr,
+    ):  # fmt: skip
+        row = tl.program_id(0).to(tl.int64) * BM + tl.arange(0, BM)
+        live = row < rows
+        ks = tl.arange(0, BK)
+        kin = ks < width
+        a = tl.load(x + row[:, None] * width + ks[None, :], mask=live[:, None] & kin[None, :], other=0.0)
+        af = a.to(tl.float32)
+        r = 1.0 / tl.sqrt(tl.sum(af * af, axis=1) / width + eps)
+        nw = tl.load(norm_w + ks, mask=kin, other=0.0).to(tl.float32)
+        y = ((af * r[:, None]).to(a.dtype).to(tl.float32) * nw[None, :]).to(a.dtype)  # (BM, BK) normed rows
+        j = tl.program_id(1)
+        cols = tl.arange(0, BN)
+        if ROPE:  # program j: head j among h + 2g, its two halves
+            first = j * 2 * BN + cols
+            second = first + BN
+            wm = kin[None, :]
+        else:  # program j: gate columns j*BN.. and the up columns m apart
+            first = j * BN + cols
+            second = first + m
+            wm = (first < m)[:, None] & kin[None, :]
+        w1 = tl.load(weight + first[:, None] * width + ks[None, :], mask=wm, other=0.0)  # (BN, BK)
+        w2 = tl.load(weight + second[:, None] * width + ks[None, :], mask=wm, other=0.0)
+        p = tl.dot(y, tl.trans(w1), input_precision=PRECISION).to(a.dtype)  # (BM, BN), rounded as F.linear
+        q = tl.dot(y, tl.trans(w2), input_precision=PRECISION).to(a.dtype)
+        pf, qf = p.to(tl.float32), q.to(tl.float32)
+        if ROPE:
+            n = row // T
+            t = row % T
+            lm = live[:, None]
+            if j < HEADS + KV_HEADS:  # queries and keys: rotate-half, rounded as the unfused kernel
+                pos = (tl.load(pos0 + n, mask=live, other=0) + t).to(tl.float32)
+                ang = pos[:, None] * tl.load(inv_freq + cols)[None, :]
+                c = tl.cos(ang).to(a.dtype).to(tl.float32)
+                s = tl.sin(ang).to(a.dtype).to(tl.float32)
+                ra = ((pf * c).to(a.dtype).to(tl.float32) - (qf * s).to(a.dtype).to(tl.float32)).to(a.dtype)
+                rb = ((qf * c).to(a.dtype).to(tl.float32) + (pf * s).to(a.dtype).to(tl.float32)).to(a.dtype)
+                if j < HEADS:
+                    dst = out + ((n * HEADS + j) * T + t)[:, None] * 2 * BN + cols[None, :]
+                else:
+                    dst = k_out + (n * sk_n + (j - HEADS) * sk_g + t * sk_t)[:, None] + cols[None, :]
+                tl.store(dst, ra, mask=lm)
+                tl.store(dst + BN, rb, mask=lm)
+            else:  # values: as projected
+                dst = v_out + (n * sv_n + (j - HEADS - KV_HEADS) * sv_g + t * sv_t)[:, None] + cols[None, :]
+                tl.store(dst, p, mask=lm)
+                tl.store(dst + BN, q, mask=lm)
+        else:  # gelu_tanh(gate) * up, rounded as kernels.gelu_mul
+            z = 0.7978845608028654 * (pf + 0.044715 * pf * pf * pf)
+            tanh = 1.0 - 2.0 / (tl.exp(2.0 * z) + 1.0)
+            act = (0.5 * pf * (1.0 + tanh)).to(a.dtype).to(tl.float32)
+            dst = out + row[:, None] * m + first[None, :]
+            tl.store(dst, (act * qf).to(a.dtype), mask=live[:, None] & (first < m)[None, :])
+
+
+def _fits(x: torch.Tensor, *tensors: torch.Tensor) -> bool:
+    return use_triton(x, *tensors) and 16 <= x.shape[-1] <= FUSED_MAX_WIDTH
+
+
+def _launch(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor, grid_n: int, bn: int,
+            out: torch.Tensor, rope: tuple | None) -> None:  # fmt: skip
+    width = x.shape[-1]
+    rows = x.numel() // width
+    if not rows:
+        return
+    bm = 16 if rows <= 256 else 64
+    if rope is None:
+        pos0 = inv_freq = k_out = v_out = out  # unused by the GeGLU form
+        t = heads = kv_heads = 1
+        m = out.shape[-1]
+        sk = sv = (0, 0, 0)
+    else:
+        pos0, inv_freq, k_out, v_out, t, heads, kv_heads = rope
+        m = 0
+        sk, sv = k_out.stride()[:3], v_out.stride()[:3]
+    _norm_linear_kernel[(triton.cdiv(rows, bm), grid_n)](
+        x, norm_weight, weight, out, pos0, inv_freq, k_out, v_out,
+        rows, width, eps, m, t, heads, kv_heads, *sk, *sv,
+        ROPE=rope is not None, BM=bm, BN=bn, BK=max(16, triton.next_power_of_2(width)),
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=4,
+    )  # fmt: skip
+
+
+def rms_norm_geglu_triton(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor) -> torch.Tensor:
+    """The fused Triton kernel (called by :func:`rms_norm_geglu` on CUDA for rows up to
+    :data:`FUSED_MAX_WIDTH` wide)."""
+    m = weight.shape[0] // 2
+    x, weight = x.contiguous(), weight.contiguous()
+    out = x.new_empty((*x.shape[:-1], m))
+    rows = x.numel() // x.shape[-1]
+    bn = 32 if rows <= 256 else 64  # few rows: narrower column blocks, more programs
+    _launch(x, norm_weight, eps, weight, triton.cdiv(m, bn), bn, out, None)
+    return out
+
+
+def rms_norm_qkv_rope_triton(
+    x: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    pos0: torch.Tensor,
+    inv_freq: torch.Tensor,
+    heads: int,
+    kv_heads: int,
+    kv_out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The fused Triton kernel (called by :func:`rms_norm_qkv_rope` on CUDA for rows up to
+    :data:`FUSED_MAX_WIDTH` wide and a power-of-two head dim)."""
+    n, t, _ = x.shape
+    kv_out = kv_destination(n, t, weight.shape[0], x.dtype, x.device, heads, kv_heads, kv_out)
+    d = kv_out.shape[-1]
+    k_out, v_out = kv_out[:, 0], kv_out[:, 1]
+    q = x.new_empty((n, heads, t, d))
+    rope = (pos0, inv_freq, k_out, v_out, t, heads, kv_heads)
+    _launch(x.contiguous(), norm_weight, eps, weight.contiguous(), heads + 2 * kv_heads, d // 2, q, rope)
+    return q, k_out, v_out
+
+
+def rms_norm_geglu(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor) -> torch.Tensor:
+    """``gelu_tanh(y @ W_gate^T) * (y @ W_up^T)`` with ``y = rms_norm(x)``.
+
+    Args:
+        x: ``(..., k)`` rows (the residual stream).
+        norm_weight: ``(k,)`` RMSNorm weight; ``eps`` its epsilon.
+        weight: ``(2m, k)`` fused gate/up projection, gate rows first.
+
+    Returns:
+        ``(..., m)``.
+    """
+    _check(x, norm_weight, weight, "rms_norm_geglu")
+    if weight.shape[0] % 2:
+        raise ValueError(
+            f"rms_norm_geglu: the weight needs an even row count (gate and up halves), got {weight.shape[0]}"
+        )
+    if _fits(x, norm_weight, weight):
+        return rms_norm_geglu_triton(x, norm_weight, eps, weight)
+    return gelu_mul(F.linear(add_rms_norm(x, None, norm_weight, eps)[1], weight))
+
+
+def rms_norm_qkv_rope(
+    x: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    pos0: torch.Tensor,
+    inv_freq: torch.Tensor,
+    heads: int,
+    kv_heads: int,
+    kv_out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Queries, keys and values of ``rms_norm(x) @ weight^T``, split into heads and rotated.
+
+    Args:
+        x: ``(N, T, k)`` rows (the residual stream).
+        norm_weight: ``(k,)`` RMSNorm weight; ``eps`` its epsilon.
+        weight: ``((h + 2g) d, k)`` fused projection: query heads, then key heads, then value heads.
+        pos0, inv_freq, heads, kv_heads, kv_out: as for :func:`kernels.qkv_rope`.
+
+    Returns:
+        q ``(N, h, T, d)``, and k, v ``(N, g, T, d)`` (views of ``kv_out`` when given).
+    """
+    _check(x, norm_weight, weight, "rms_norm_qkv_rope")
+    if pos0.shape != x.shape[:1] or pos0.dtype != torch.int64:
+        raise ValueError(f"rms_norm_qkv_rope: pos0 must be ({x.shape[0]},) int64, got {tuple(pos0.shape)} {pos0.dtype}")
+    outs = [] if kv_out is None else [kv_out]
+    d = weight.shape[0] // (heads + 2 * kv_heads)
+    fused_layout = d >= 32 and not d & (d - 1) and (kv_out is None or kv_out.stride(-1) == 1)
+    if fused_layout and _fits(x, norm_weight, weight, pos0, inv_freq, *outs):
+        return rms_norm_qkv_rope_triton(x, norm_weight, eps, weight, pos0, inv_freq, heads, kv_heads, kv_out)
+    qkv = F.linear(add_rms_norm(x, None, norm_weight, eps)[1], weight)
+    return qkv_rope(qkv, pos0, inv_freq, heads, kv_heads, kv_out)
