@@ -15,7 +15,7 @@ element ``i`` with ``i + d/2``) or matching gate and up columns. Neither the nor
 projection's output is written to memory. Rounding follows the unfused chain: the normed row as
 :func:`kernels.add_rms_norm` rounds it, the product rounded to the input dtype before the
 rotation or the GELU; only the order of the matmul's sums differs (as between any two GEMMs).
-Wider rows (``pi0``) take the unfused chain, whose matmul is cuBLAS.
+Wider rows (``pi0``) and calls over many rows take the unfused chain, whose matmul is cuBLAS.
 """
 
 from __future__ import annotations
@@ -30,6 +30,13 @@ from kernels.rotary import kv_destination, qkv_rope, qkv_rope_reference
 
 FUSED_MAX_WIDTH = 256
 """Widest rows the fused kernels take: a block of rows is held whole in registers."""
+
+GEGLU_MAX_ROWS = 256
+QKV_ROPE_MAX_ROWS = 2048
+"""Most rows (tokens) a call takes the fused kernel for. Below these the calls are latency-bound
+and one launch beats three; above them the unfused chain's cuBLAS matmul is faster (H200,
+``tiny``: at one slot the fused GeGLU call takes 2.7 µs against 4.8, at 2 048 rows 12.4 against
+10.1; the q/k/v call 3.5 against 4.9 at one slot, 18.4 against 13.3 at 8 192 rows)."""
 
 
 def _check(x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor, name: str) -> None:
@@ -74,7 +81,7 @@ if triton is not None:
         x, norm_w, weight, out, pos0, inv_freq, k_out, v_out,
         rows, width, eps, m, T, HEADS, KV_HEADS,
         sk_n, sk_g, sk_t, sv_n, sv_g, sv_t,
-        ROPE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr,
+        PER, ROPE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr,
     ):  # fmt: skip
         row = tl.program_id(0).to(tl.int64) * BM + tl.arange(0, BM)
         live = row < rows
@@ -85,61 +92,64 @@ if triton is not None:
         r = 1.0 / tl.sqrt(tl.sum(af * af, axis=1) / width + eps)
         nw = tl.load(norm_w + ks, mask=kin, other=0.0).to(tl.float32)
         y = ((af * r[:, None]).to(a.dtype).to(tl.float32) * nw[None, :]).to(a.dtype)  # (BM, BK) normed rows
-        j = tl.program_id(1)
         cols = tl.arange(0, BN)
-        if ROPE:  # program j: head j among h + 2g, its two halves
-            first = j * 2 * BN + cols
-            second = first + BN
-            wm = kin[None, :]
-        else:  # program j: gate columns j*BN.. and the up columns m apart
-            first = j * BN + cols
-            second = first + m
-            wm = (first < m)[:, None] & kin[None, :]
-        w1 = tl.load(weight + first[:, None] * width + ks[None, :], mask=wm, other=0.0)  # (BN, BK)
-        w2 = tl.load(weight + second[:, None] * width + ks[None, :], mask=wm, other=0.0)
-        p = tl.dot(y, tl.trans(w1), input_precision=PRECISION).to(a.dtype)  # (BM, BN), rounded as F.linear
-        q = tl.dot(y, tl.trans(w2), input_precision=PRECISION).to(a.dtype)
-        pf, qf = p.to(tl.float32), q.to(tl.float32)
-        if ROPE:
-            n = row // T
-            t = row % T
-            lm = live[:, None]
-            if j < HEADS + KV_HEADS:  # queries and keys: rotate-half, rounded as the unfused kernel
-                pos = (tl.load(pos0 + n, mask=live, other=0) + t).to(tl.float32)
-                ang = pos[:, None] * tl.load(inv_freq + cols)[None, :]
-                c = tl.cos(ang).to(a.dtype).to(tl.float32)
-                s = tl.sin(ang).to(a.dtype).to(tl.float32)
-                ra = ((pf * c).to(a.dtype).to(tl.float32) - (qf * s).to(a.dtype).to(tl.float32)).to(a.dtype)
-                rb = ((qf * c).to(a.dtype).to(tl.float32) + (pf * s).to(a.dtype).to(tl.float32)).to(a.dtype)
-                if j < HEADS:
-                    dst = out + ((n * HEADS + j) * T + t)[:, None] * 2 * BN + cols[None, :]
-                else:
-                    dst = k_out + (n * sk_n + (j - HEADS) * sk_g + t * sk_t)[:, None] + cols[None, :]
-                tl.store(dst, ra, mask=lm)
-                tl.store(dst + BN, rb, mask=lm)
-            else:  # values: as projected
-                dst = v_out + (n * sv_n + (j - HEADS - KV_HEADS) * sv_g + t * sv_t)[:, None] + cols[None, :]
-                tl.store(dst, p, mask=lm)
-                tl.store(dst + BN, q, mask=lm)
-        else:  # gelu_tanh(gate) * up, rounded as kernels.gelu_mul
-            z = 0.7978845608028654 * (pf + 0.044715 * pf * pf * pf)
-            tanh = 1.0 - 2.0 / (tl.exp(2.0 * z) + 1.0)
-            act = (0.5 * pf * (1.0 + tanh)).to(a.dtype).to(tl.float32)
-            dst = out + row[:, None] * m + first[None, :]
-            tl.store(dst, (act * qf).to(a.dtype), mask=live[:, None] & (first < m)[None, :])
+        lm = live[:, None]
+        blocks = HEADS + 2 * KV_HEADS if ROPE else tl.cdiv(m, BN)
+        start = tl.program_id(1) * PER
+        for j in range(start, tl.minimum(start + PER, blocks)):  # PER column blocks over the same normed rows
+            if ROPE:  # block j: head j among h + 2g, its two halves
+                first = j * 2 * BN + cols
+                second = first + BN
+                wm = kin[None, :]
+            else:  # block j: gate columns j*BN.. and the up columns m apart
+                first = j * BN + cols
+                second = first + m
+                wm = (first < m)[:, None] & kin[None, :]
+            w1 = tl.load(weight + first[:, None] * width + ks[None, :], mask=wm, other=0.0)  # (BN, BK)
+            w2 = tl.load(weight + second[:, None] * width + ks[None, :], mask=wm, other=0.0)
+            p = tl.dot(y, tl.trans(w1), input_precision=PRECISION).to(a.dtype)  # (BM, BN), rounded as F.linear
+            q = tl.dot(y, tl.trans(w2), input_precision=PRECISION).to(a.dtype)
+            pf, qf = p.to(tl.float32), q.to(tl.float32)
+            if ROPE:
+                n = row // T
+                t = row % T
+                if j < HEADS + KV_HEADS:  # queries and keys: rotate-half, rounded as the unfused kernel
+                    pos = (tl.load(pos0 + n, mask=live, other=0) + t).to(tl.float32)
+                    ang = pos[:, None] * tl.load(inv_freq + cols)[None, :]
+                    c = tl.cos(ang).to(a.dtype).to(tl.float32)
+                    s = tl.sin(ang).to(a.dtype).to(tl.float32)
+                    ra = ((pf * c).to(a.dtype).to(tl.float32) - (qf * s).to(a.dtype).to(tl.float32)).to(a.dtype)
+                    rb = ((qf * c).to(a.dtype).to(tl.float32) + (pf * s).to(a.dtype).to(tl.float32)).to(a.dtype)
+                    if j < HEADS:
+                        dst = out + ((n * HEADS + j) * T + t)[:, None] * 2 * BN + cols[None, :]
+                    else:
+                        dst = k_out + (n * sk_n + (j - HEADS) * sk_g + t * sk_t)[:, None] + cols[None, :]
+                    tl.store(dst, ra, mask=lm)
+                    tl.store(dst + BN, rb, mask=lm)
+                else:  # values: as projected
+                    dst = v_out + (n * sv_n + (j - HEADS - KV_HEADS) * sv_g + t * sv_t)[:, None] + cols[None, :]
+                    tl.store(dst, p, mask=lm)
+                    tl.store(dst + BN, q, mask=lm)
+            else:  # gelu_tanh(gate) * up, rounded as kernels.gelu_mul
+                z = 0.7978845608028654 * (pf + 0.044715 * pf * pf * pf)
+                tanh = 1.0 - 2.0 / (tl.exp(2.0 * z) + 1.0)
+                act = (0.5 * pf * (1.0 + tanh)).to(a.dtype).to(tl.float32)
+                dst = out + row[:, None] * m + first[None, :]
+                tl.store(dst, (act * qf).to(a.dtype), mask=lm & (first < m)[None, :])
 
 
-def _fits(x: torch.Tensor, *tensors: torch.Tensor) -> bool:
-    return use_triton(x, *tensors) and 16 <= x.shape[-1] <= FUSED_MAX_WIDTH
+def _fits(max_rows: int, x: torch.Tensor, *tensors: torch.Tensor) -> bool:
+    width = x.shape[-1]
+    return use_triton(x, *tensors) and 16 <= width <= FUSED_MAX_WIDTH and x.numel() <= max_rows * width
 
 
-def _launch(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor, grid_n: int, bn: int,
+def _launch(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor, blocks: int, bn: int,
             out: torch.Tensor, rope: tuple | None) -> None:  # fmt: skip
+    """One program per 16 rows and column block: the rows are few (see :data:`FUSED_MAX_ROWS`)."""
     width = x.shape[-1]
     rows = x.numel() // width
     if not rows:
         return
-    bm = 16 if rows <= 256 else 64
     if rope is None:
         pos0 = inv_freq = k_out = v_out = out  # unused by the GeGLU form
         t = heads = kv_heads = 1
@@ -149,10 +159,10 @@ def _launch(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torc
         pos0, inv_freq, k_out, v_out, t, heads, kv_heads = rope
         m = 0
         sk, sv = k_out.stride()[:3], v_out.stride()[:3]
-    _norm_linear_kernel[(triton.cdiv(rows, bm), grid_n)](
+    _norm_linear_kernel[(triton.cdiv(rows, 16), blocks)](
         x, norm_weight, weight, out, pos0, inv_freq, k_out, v_out,
-        rows, width, eps, m, t, heads, kv_heads, *sk, *sv,
-        ROPE=rope is not None, BM=bm, BN=bn, BK=max(16, triton.next_power_of_2(width)),
+        rows, width, eps, m, t, heads, kv_heads, *sk, *sv, 1,
+        ROPE=rope is not None, BM=16, BN=bn, BK=max(16, triton.next_power_of_2(width)),
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=4,
     )  # fmt: skip
 
@@ -164,7 +174,7 @@ def rms_norm_geglu_triton(x: torch.Tensor, norm_weight: torch.Tensor, eps: float
     x, weight = x.contiguous(), weight.contiguous()
     out = x.new_empty((*x.shape[:-1], m))
     rows = x.numel() // x.shape[-1]
-    bn = 32 if rows <= 256 else 64  # few rows: narrower column blocks, more programs
+    bn = 32 if rows <= 16 else 64  # one slot's rows: narrower column blocks, more programs
     _launch(x, norm_weight, eps, weight, triton.cdiv(m, bn), bn, out, None)
     return out
 
@@ -208,7 +218,7 @@ def rms_norm_geglu(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weigh
         raise ValueError(
             f"rms_norm_geglu: the weight needs an even row count (gate and up halves), got {weight.shape[0]}"
         )
-    if _fits(x, norm_weight, weight):
+    if _fits(GEGLU_MAX_ROWS, x, norm_weight, weight):
         return rms_norm_geglu_triton(x, norm_weight, eps, weight)
     return gelu_mul(F.linear(add_rms_norm(x, None, norm_weight, eps)[1], weight))
 
@@ -241,7 +251,7 @@ def rms_norm_qkv_rope(
     outs = [] if kv_out is None else [kv_out]
     d = weight.shape[0] // (heads + 2 * kv_heads)
     fused_layout = d >= 32 and not d & (d - 1) and (kv_out is None or kv_out.stride(-1) == 1)
-    if fused_layout and _fits(x, norm_weight, weight, pos0, inv_freq, *outs):
+    if fused_layout and _fits(QKV_ROPE_MAX_ROWS, x, norm_weight, weight, pos0, inv_freq, *outs):
         return rms_norm_qkv_rope_triton(x, norm_weight, eps, weight, pos0, inv_freq, heads, kv_heads, kv_out)
     qkv = F.linear(add_rms_norm(x, None, norm_weight, eps)[1], weight)
     return qkv_rope(qkv, pos0, inv_freq, heads, kv_heads, kv_out)
