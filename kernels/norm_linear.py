@@ -81,7 +81,7 @@ if triton is not None:
         x, norm_w, weight, out, pos0, inv_freq, k_out, v_out,
         rows, width, eps, m, T, HEADS, KV_HEADS,
         sk_n, sk_g, sk_t, sv_n, sv_g, sv_t,
-        PER, ROPE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr,
+        ROPE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr,
     ):  # fmt: skip
         row = tl.program_id(0).to(tl.int64) * BM + tl.arange(0, BM)
         live = row < rows
@@ -92,50 +92,48 @@ if triton is not None:
         r = 1.0 / tl.sqrt(tl.sum(af * af, axis=1) / width + eps)
         nw = tl.load(norm_w + ks, mask=kin, other=0.0).to(tl.float32)
         y = ((af * r[:, None]).to(a.dtype).to(tl.float32) * nw[None, :]).to(a.dtype)  # (BM, BK) normed rows
+        j = tl.program_id(1)
         cols = tl.arange(0, BN)
-        lm = live[:, None]
-        blocks = HEADS + 2 * KV_HEADS if ROPE else tl.cdiv(m, BN)
-        start = tl.program_id(1) * PER
-        for j in range(start, tl.minimum(start + PER, blocks)):  # PER column blocks over the same normed rows
-            if ROPE:  # block j: head j among h + 2g, its two halves
-                first = j * 2 * BN + cols
-                second = first + BN
-                wm = kin[None, :]
-            else:  # block j: gate columns j*BN.. and the up columns m apart
-                first = j * BN + cols
-                second = first + m
-                wm = (first < m)[:, None] & kin[None, :]
-            w1 = tl.load(weight + first[:, None] * width + ks[None, :], mask=wm, other=0.0)  # (BN, BK)
-            w2 = tl.load(weight + second[:, None] * width + ks[None, :], mask=wm, other=0.0)
-            p = tl.dot(y, tl.trans(w1), input_precision=PRECISION).to(a.dtype)  # (BM, BN), rounded as F.linear
-            q = tl.dot(y, tl.trans(w2), input_precision=PRECISION).to(a.dtype)
-            pf, qf = p.to(tl.float32), q.to(tl.float32)
-            if ROPE:
-                n = row // T
-                t = row % T
-                if j < HEADS + KV_HEADS:  # queries and keys: rotate-half, rounded as the unfused kernel
-                    pos = (tl.load(pos0 + n, mask=live, other=0) + t).to(tl.float32)
-                    ang = pos[:, None] * tl.load(inv_freq + cols)[None, :]
-                    c = tl.cos(ang).to(a.dtype).to(tl.float32)
-                    s = tl.sin(ang).to(a.dtype).to(tl.float32)
-                    ra = ((pf * c).to(a.dtype).to(tl.float32) - (qf * s).to(a.dtype).to(tl.float32)).to(a.dtype)
-                    rb = ((qf * c).to(a.dtype).to(tl.float32) + (pf * s).to(a.dtype).to(tl.float32)).to(a.dtype)
-                    if j < HEADS:
-                        dst = out + ((n * HEADS + j) * T + t)[:, None] * 2 * BN + cols[None, :]
-                    else:
-                        dst = k_out + (n * sk_n + (j - HEADS) * sk_g + t * sk_t)[:, None] + cols[None, :]
-                    tl.store(dst, ra, mask=lm)
-                    tl.store(dst + BN, rb, mask=lm)
-                else:  # values: as projected
-                    dst = v_out + (n * sv_n + (j - HEADS - KV_HEADS) * sv_g + t * sv_t)[:, None] + cols[None, :]
-                    tl.store(dst, p, mask=lm)
-                    tl.store(dst + BN, q, mask=lm)
-            else:  # gelu_tanh(gate) * up, rounded as kernels.gelu_mul
-                z = 0.7978845608028654 * (pf + 0.044715 * pf * pf * pf)
-                tanh = 1.0 - 2.0 / (tl.exp(2.0 * z) + 1.0)
-                act = (0.5 * pf * (1.0 + tanh)).to(a.dtype).to(tl.float32)
-                dst = out + row[:, None] * m + first[None, :]
-                tl.store(dst, (act * qf).to(a.dtype), mask=lm & (first < m)[None, :])
+        if ROPE:  # program j: head j among h + 2g, its two halves
+            first = j * 2 * BN + cols
+            second = first + BN
+            wm = kin[None, :]
+        else:  # program j: gate columns j*BN.. and the up columns m apart
+            first = j * BN + cols
+            second = first + m
+            wm = (first < m)[:, None] & kin[None, :]
+        w1 = tl.load(weight + first[:, None] * width + ks[None, :], mask=wm, other=0.0)  # (BN, BK)
+        w2 = tl.load(weight + second[:, None] * width + ks[None, :], mask=wm, other=0.0)
+        p = tl.dot(y, tl.trans(w1), input_precision=PRECISION).to(a.dtype)  # (BM, BN), rounded as F.linear
+        q = tl.dot(y, tl.trans(w2), input_precision=PRECISION).to(a.dtype)
+        pf, qf = p.to(tl.float32), q.to(tl.float32)
+        if ROPE:
+            n = row // T
+            t = row % T
+            lm = live[:, None]
+            if j < HEADS + KV_HEADS:  # queries and keys: rotate-half, rounded as the unfused kernel
+                pos = (tl.load(pos0 + n, mask=live, other=0) + t).to(tl.float32)
+                ang = pos[:, None] * tl.load(inv_freq + cols)[None, :]
+                c = tl.cos(ang).to(a.dtype).to(tl.float32)
+                s = tl.sin(ang).to(a.dtype).to(tl.float32)
+                ra = ((pf * c).to(a.dtype).to(tl.float32) - (qf * s).to(a.dtype).to(tl.float32)).to(a.dtype)
+                rb = ((qf * c).to(a.dtype).to(tl.float32) + (pf * s).to(a.dtype).to(tl.float32)).to(a.dtype)
+                if j < HEADS:
+                    dst = out + ((n * HEADS + j) * T + t)[:, None] * 2 * BN + cols[None, :]
+                else:
+                    dst = k_out + (n * sk_n + (j - HEADS) * sk_g + t * sk_t)[:, None] + cols[None, :]
+                tl.store(dst, ra, mask=lm)
+                tl.store(dst + BN, rb, mask=lm)
+            else:  # values: as projected
+                dst = v_out + (n * sv_n + (j - HEADS - KV_HEADS) * sv_g + t * sv_t)[:, None] + cols[None, :]
+                tl.store(dst, p, mask=lm)
+                tl.store(dst + BN, q, mask=lm)
+        else:  # gelu_tanh(gate) * up, rounded as kernels.gelu_mul
+            z = 0.7978845608028654 * (pf + 0.044715 * pf * pf * pf)
+            tanh = 1.0 - 2.0 / (tl.exp(2.0 * z) + 1.0)
+            act = (0.5 * pf * (1.0 + tanh)).to(a.dtype).to(tl.float32)
+            dst = out + row[:, None] * m + first[None, :]
+            tl.store(dst, (act * qf).to(a.dtype), mask=live[:, None] & (first < m)[None, :])
 
 
 def _fits(max_rows: int, x: torch.Tensor, *tensors: torch.Tensor) -> bool:
@@ -145,7 +143,8 @@ def _fits(max_rows: int, x: torch.Tensor, *tensors: torch.Tensor) -> bool:
 
 def _launch(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor, blocks: int, bn: int,
             out: torch.Tensor, rope: tuple | None) -> None:  # fmt: skip
-    """One program per 16 rows and column block: the rows are few (see :data:`FUSED_MAX_ROWS`)."""
+    """One program per 16 rows and column block: the rows are few (see :data:`GEGLU_MAX_ROWS`
+    and :data:`QKV_ROPE_MAX_ROWS`)."""
     width = x.shape[-1]
     rows = x.numel() // width
     if not rows:
@@ -161,7 +160,7 @@ def _launch(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torc
         sk, sv = k_out.stride()[:3], v_out.stride()[:3]
     _norm_linear_kernel[(triton.cdiv(rows, 16), blocks)](
         x, norm_weight, weight, out, pos0, inv_freq, k_out, v_out,
-        rows, width, eps, m, t, heads, kv_heads, *sk, *sv, 1,
+        rows, width, eps, m, t, heads, kv_heads, *sk, *sv,
         ROPE=rope is not None, BM=16, BN=bn, BK=max(16, triton.next_power_of_2(width)),
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=4,
     )  # fmt: skip
