@@ -167,6 +167,49 @@ def test_rms_norm_qkv_rope_writes_rotated_heads_into_a_cache_view(device, heads,
         assert cache[:, [0, 1, 3]].isnan().all() and cache[..., :5, :].isnan().all()
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_norm_linear_takes_the_fused_kernel_only_for_few_narrow_rows(device, monkeypatch):
+    """Up to the row limits one fused launch; one row more, or rows wider than the fused kernel
+    holds, or a head dim under 32, take the unfused chain. Both agree with the reference."""
+    import kernels.norm_linear as nl
+
+    launches = []
+    kernel = nl._norm_linear_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return kernel[grid]
+
+    monkeypatch.setattr(nl, "_norm_linear_kernel", Spy())
+    if device == "cpu":  # the interpreter runs the kernel on CPU tensors, as on a GPU
+        monkeypatch.setattr(nl, "use_triton", lambda *tensors: True)
+    g = torch.Generator(device=device).manual_seed(5)
+    dtype = dtypes(device)[0]
+    inv = 10000.0 ** (-torch.arange(0, 16, dtype=torch.float32, device=device) / 16)
+    cases = [
+        ("geglu", nl.GEGLU_MAX_ROWS, 32, 32, True),
+        ("geglu", nl.GEGLU_MAX_ROWS + 1, 32, 32, False),
+        ("geglu", 8, nl.FUSED_MAX_WIDTH + 8, 32, False),
+        ("qkv", nl.QKV_ROPE_MAX_ROWS, 32, 32, True),
+        ("qkv", nl.QKV_ROPE_MAX_ROWS + 1, 32, 32, False),
+        ("qkv", 8, 32, 16, False),
+    ]
+    for form, rows, width, d, fused in cases:
+        launches.clear()
+        if form == "geglu":
+            x, nw, w = norm_linear_inputs(device, dtype, g, (1, rows), width, 2 * d)
+            got, want = [rms_norm_geglu(x, nw, 1e-6, w)], [rms_norm_geglu_reference(x, nw, 1e-6, w)]
+        else:
+            x, nw, w = norm_linear_inputs(device, dtype, g, (1, rows), width, 4 * d)
+            args = (torch.zeros(1, dtype=torch.int64, device=device), inv[: d // 2], 2, 1)
+            got = rms_norm_qkv_rope(x, nw, 1e-6, w, *args)
+            want = rms_norm_qkv_rope_reference(x, nw, 1e-6, w, *args)
+        assert bool(launches) == fused, (form, rows, width, d)
+        for a, b in zip(got, want, strict=True):
+            close(a, b, dtype, scale=2)
+
+
 def test_norm_linear_off_the_fused_path_is_the_unfused_chain():
     """Where the fused kernel does not run (here the CPU), the calls are the unfused chain."""
     g = torch.Generator().manual_seed(0)
