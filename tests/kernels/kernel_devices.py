@@ -26,3 +26,16 @@ def poison_allocator(device: str) -> None:
     big = torch.full((32 << 20,), float("nan"), device=device)  # large-block pool
     small = [torch.full((1 << 18,), float("nan"), device=device) for _ in range(16)]  # small-block pool
     del big, small
+
+
+def spy_launches(monkeypatch: pytest.MonkeyPatch, module: object, name: str) -> list:
+    """Record the grid of every launch of the Triton kernel ``module.name`` (still launched)."""
+    grids, kernel = [], getattr(module, name)
+
+    class Spy:
+        def __getitem__(self, grid):
+            grids.append(grid)
+            return kernel[grid]
+
+    monkeypatch.setattr(module, name, Spy())
+    return grids

@@ -30,7 +30,7 @@ from kernels.norm_linear import (
 )
 from kernels.rng import draw_normal_reference, draw_normal_triton
 from kernels.rotary import qkv_rope_reference, qkv_rope_triton
-from tests.kernels.kernel_devices import DEVICES, poison_allocator
+from tests.kernels.kernel_devices import DEVICES, poison_allocator, spy_launches
 
 
 def dtypes(device: str) -> list[torch.dtype]:
@@ -173,15 +173,7 @@ def test_norm_linear_takes_the_fused_kernel_only_for_few_narrow_rows(device, mon
     holds, or a head dim under 32, take the unfused chain. Both agree with the reference."""
     import kernels.norm_linear as nl
 
-    launches = []
-    kernel = nl._norm_linear_kernel
-
-    class Spy:
-        def __getitem__(self, grid):
-            launches.append(grid)
-            return kernel[grid]
-
-    monkeypatch.setattr(nl, "_norm_linear_kernel", Spy())
+    launches = spy_launches(monkeypatch, nl, "_norm_linear_kernel")
     if device == "cpu":  # the interpreter runs the kernel on CPU tensors, as on a GPU
         monkeypatch.setattr(nl, "use_triton", lambda *tensors: True)
     g = torch.Generator(device=device).manual_seed(5)
@@ -324,15 +316,7 @@ def test_attention_splits_the_keys_only_when_programs_are_few(device, monkeypatc
     reference."""
     import kernels.grouped_attention as ga
 
-    merges = []
-    combine = ga._combine_kernel
-
-    class Spy:
-        def __getitem__(self, grid):
-            merges.append(grid)
-            return combine[grid]
-
-    monkeypatch.setattr(ga, "_combine_kernel", Spy())
+    merges = spy_launches(monkeypatch, ga, "_combine_kernel")
     g = torch.Generator(device=device).manual_seed(11)
     for n, split in ((3, True), (ga._sm_count(torch.device(device)) // 2 + 1, False)):
         for dtype in dtypes(device):
