@@ -52,14 +52,16 @@ def layer_segments(prefix: Prefix, layer: int) -> list[Segment]:
 
 
 class RMSNorm(nn.Module):
+    """Gemma-style RMSNorm: float32 statistics, the normed row rounded before the weight."""
+
     def __init__(self, dim: int, eps: float = 1e-6) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor, delta: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(x + delta, norm(x + delta))`` (one fused kernel on CUDA)."""
-        return add_rms_norm(x, delta, self.weight, self.eps)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``norm(x)`` (one kernel on CUDA; a decoder layer's norms run inside its projections)."""
+        return add_rms_norm(x, None, self.weight, self.eps)[1]
 
 
 class Folded:
@@ -315,7 +317,7 @@ class FlowPolicy(nn.Module):
             out = None if kv is None else kv[:, i]
             x, k, v = layer(x, pos0, self.inv_freq, layer_segments(context, i), kv_out=out)
             kvs.append((k, v))
-        return self._stack(kv, kvs), self.prefix_norm(x)[1].float().mean(1)
+        return self._stack(kv, kvs), self.prefix_norm(x).float().mean(1)
 
     # -- action expert -------------------------------------------------------------------------
     def velocity(
@@ -332,7 +334,7 @@ class FlowPolicy(nn.Module):
         te = sincos(t, c.expert_width).to(a.device, self.dtype)[:, None].expand(-1, a.shape[1], -1)
         h = self.time_out(F.silu(self.time_in(torch.cat([a, te], dim=-1))))
         h = self._expert_layers(h, prefix, self.frame_start(frame + 1))
-        return self.action_out(self.expert_norm(h)[1]).float()
+        return self.action_out(self.expert_norm(h)).float()
 
     def _expert_layers(self, h: torch.Tensor, prefix: Prefix, pos0: torch.Tensor) -> torch.Tensor:
         """The expert's layers over the prefix (before its final norm): (N, H, E)."""
