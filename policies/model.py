@@ -98,12 +98,12 @@ class Folded:
 class DecoderLayer(nn.Module):
     """Pre-norm layer: GQA self/cross attention with rotary embeddings, gated (GeGLU) MLP.
 
-    Per layer on CUDA, at best five kernels: norm + fused q/k/v projection + rotary split (keys/values
-    written into the caller's cache view), attention over [context; own], the output projection
-    accumulated onto the residual, norm + gate/up projection + GeGLU, and the down projection
-    accumulated onto the residual. Where the fused norm + projection kernels do not pay (rows
-    wider than ``kernels.norm_linear.FUSED_MAX_WIDTH``, or many rows: cuBLAS is faster there) each
-    norm, projection and pointwise step runs apart, eight kernels.
+    Per layer on CUDA, at best five kernels: norm + fused q/k/v projection + rotary split
+    (keys/values written into the caller's cache view), attention over [context; own], the output
+    projection accumulated onto the residual, norm + gate/up projection + GeGLU, and the down
+    projection accumulated onto the residual. Where a fused norm + projection does not pay (rows
+    wider than ``kernels.norm_linear.FUSED_MAX_WIDTH``, or many rows: cuBLAS is faster there) its
+    norm, projection and pointwise step run apart, three kernels for one (nine a layer at most).
     """
 
     def __init__(self, width: int, heads: int, kv_heads: int, head_dim: int, mlp: int) -> None:
