@@ -136,9 +136,11 @@ if triton is not None:
             tl.store(dst, (act * qf).to(a.dtype), mask=live[:, None] & (first < m)[None, :])
 
 
-def _fits(max_rows: int, x: torch.Tensor, *tensors: torch.Tensor) -> bool:
+def _fits(max_rows: int, x: torch.Tensor, weight: torch.Tensor, *tensors: torch.Tensor) -> bool:
+    """Whether a call takes the fused kernel (else the unfused chain, which reports dtype mismatches)."""
     width = x.shape[-1]
-    return use_triton(x, *tensors) and 16 <= width <= FUSED_MAX_WIDTH and x.numel() <= max_rows * width
+    few = 16 <= width <= FUSED_MAX_WIDTH and x.numel() <= max_rows * width
+    return few and weight.dtype == x.dtype and use_triton(x, weight, *tensors)
 
 
 def _launch(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor, blocks: int, bn: int,
@@ -217,7 +219,7 @@ def rms_norm_geglu(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weigh
         raise ValueError(
             f"rms_norm_geglu: the weight needs an even row count (gate and up halves), got {weight.shape[0]}"
         )
-    if _fits(GEGLU_MAX_ROWS, x, norm_weight, weight):
+    if _fits(GEGLU_MAX_ROWS, x, weight, norm_weight):
         return rms_norm_geglu_triton(x, norm_weight, eps, weight)
     return gelu_mul(F.linear(add_rms_norm(x, None, norm_weight, eps)[1], weight))
 
@@ -250,7 +252,7 @@ def rms_norm_qkv_rope(
     outs = [] if kv_out is None else [kv_out]
     d = weight.shape[0] // (heads + 2 * kv_heads)
     fused_layout = d >= 32 and not d & (d - 1) and (kv_out is None or kv_out.stride(-1) == 1)
-    if fused_layout and _fits(QKV_ROPE_MAX_ROWS, x, norm_weight, weight, pos0, inv_freq, *outs):
+    if fused_layout and _fits(QKV_ROPE_MAX_ROWS, x, weight, norm_weight, pos0, inv_freq, *outs):
         return rms_norm_qkv_rope_triton(x, norm_weight, eps, weight, pos0, inv_freq, heads, kv_heads, kv_out)
     qkv = F.linear(add_rms_norm(x, None, norm_weight, eps)[1], weight)
     return qkv_rope(qkv, pos0, inv_freq, heads, kv_heads, kv_out)
