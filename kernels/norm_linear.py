@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from kernels.activation import gelu_mul, gelu_mul_reference
 from kernels.backend import tl, triton, use_triton
 from kernels.norm import add_rms_norm, add_rms_norm_reference
-from kernels.rotary import kv_destination, qkv_rope, qkv_rope_reference
+from kernels.rotary import check_positions, kv_destination, qkv_rope, qkv_rope_reference
 
 FUSED_MAX_WIDTH = 256
 """Widest rows the fused kernels take: a block of rows is held whole in registers."""
@@ -75,6 +75,7 @@ def rms_norm_qkv_rope_reference(
 
 
 if triton is not None:
+    from kernels.rotary import store_head
 
     @triton.jit
     def _norm_linear_kernel(
@@ -106,29 +107,13 @@ if triton is not None:
         w2 = tl.load(weight + second[:, None] * width + ks[None, :], mask=wm, other=0.0)
         p = tl.dot(y, tl.trans(w1), input_precision=PRECISION).to(a.dtype)  # (BM, BN), rounded as F.linear
         q = tl.dot(y, tl.trans(w2), input_precision=PRECISION).to(a.dtype)
-        pf, qf = p.to(tl.float32), q.to(tl.float32)
-        if ROPE:
-            n = row // T
-            t = row % T
-            lm = live[:, None]
-            if j < HEADS + KV_HEADS:  # queries and keys: rotate-half, rounded as the unfused kernel
-                pos = (tl.load(pos0 + n, mask=live, other=0) + t).to(tl.float32)
-                ang = pos[:, None] * tl.load(inv_freq + cols)[None, :]
-                c = tl.cos(ang).to(a.dtype).to(tl.float32)
-                s = tl.sin(ang).to(a.dtype).to(tl.float32)
-                ra = ((pf * c).to(a.dtype).to(tl.float32) - (qf * s).to(a.dtype).to(tl.float32)).to(a.dtype)
-                rb = ((qf * c).to(a.dtype).to(tl.float32) + (pf * s).to(a.dtype).to(tl.float32)).to(a.dtype)
-                if j < HEADS:
-                    dst = out + ((n * HEADS + j) * T + t)[:, None] * 2 * BN + cols[None, :]
-                else:
-                    dst = k_out + (n * sk_n + (j - HEADS) * sk_g + t * sk_t)[:, None] + cols[None, :]
-                tl.store(dst, ra, mask=lm)
-                tl.store(dst + BN, rb, mask=lm)
-            else:  # values: as projected
-                dst = v_out + (n * sv_n + (j - HEADS - KV_HEADS) * sv_g + t * sv_t)[:, None] + cols[None, :]
-                tl.store(dst, p, mask=lm)
-                tl.store(dst + BN, q, mask=lm)
+        if ROPE:  # queries and keys rotated, rounded as the unfused kernel; values as projected
+            store_head(
+                p, q, row // T, row % T, live, j, T, pos0, inv_freq, out, k_out, v_out, HEADS, KV_HEADS,
+                sk_n, sk_g, sk_t, sv_n, sv_g, sv_t, BN,
+            )  # fmt: skip
         else:  # gelu_tanh(gate) * up, rounded as kernels.gelu_mul
+            pf, qf = p.to(tl.float32), q.to(tl.float32)
             z = 0.7978845608028654 * (pf + 0.044715 * pf * pf * pf)
             tanh = 1.0 - 2.0 / (tl.exp(2.0 * z) + 1.0)
             act = (0.5 * pf * (1.0 + tanh)).to(a.dtype).to(tl.float32)
@@ -247,8 +232,7 @@ def rms_norm_qkv_rope(
         q ``(N, h, T, d)``, and k, v ``(N, g, T, d)`` (views of ``kv_out`` when given).
     """
     _check(x, norm_weight, weight, "rms_norm_qkv_rope")
-    if pos0.shape != x.shape[:1] or pos0.dtype != torch.int64:
-        raise ValueError(f"rms_norm_qkv_rope: pos0 must be ({x.shape[0]},) int64, got {tuple(pos0.shape)} {pos0.dtype}")
+    check_positions(pos0, x.shape[0], "rms_norm_qkv_rope")
     outs = [] if kv_out is None else [kv_out]
     d = weight.shape[0] // (heads + 2 * kv_heads)
     fused_layout = d >= 32 and not d & (d - 1) and (kv_out is None or kv_out.stride(-1) == 1)

@@ -50,6 +50,12 @@ def kv_destination(
     return kv_out
 
 
+def check_positions(pos0: torch.Tensor, n: int, name: str) -> None:
+    """``pos0`` must be ``(N,)`` int64: each slot's position of its token 0."""
+    if pos0.shape != (n,) or pos0.dtype != torch.int64:
+        raise ValueError(f"{name}: pos0 must be ({n},) int64, got {tuple(pos0.shape)} {pos0.dtype}")
+
+
 def qkv_rope_reference(
     qkv: torch.Tensor,
     pos0: torch.Tensor,
@@ -72,22 +78,15 @@ def qkv_rope_reference(
 if triton is not None:
 
     @triton.jit
-    def _qkv_rope_kernel(
-        qkv, pos0, inv_freq, q_out, k_out, v_out,
-        rows, T, HEADS, KV_HEADS,
-        sk_n, sk_g, sk_t, sv_n, sv_g, sv_t,
-        HALF: tl.constexpr, BT: tl.constexpr,
+    def store_head(
+        a, b, n, t, live, j, T, pos0, inv_freq, q_out, k_out, v_out, HEADS, KV_HEADS,
+        sk_n, sk_g, sk_t, sv_n, sv_g, sv_t, HALF: tl.constexpr,
     ):  # fmt: skip
-        row = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)  # n * T + t, BT tokens
-        live = row < rows
-        j = tl.program_id(1)  # head among h + 2g
-        n = row // T
-        t = row % T
+        """Head ``j`` (among h + 2g) of tokens ``t`` of slots ``n`` (``live`` ones), as its two
+        halves ``a``, ``b`` (BT, HALF): queries and keys rotated (rounded as the reference) and
+        written to ``q_out`` ``(N, h, T, d)`` or ``k_out``, values written to ``v_out`` as they are."""
         cols = tl.arange(0, HALF)
         m = live[:, None]
-        src = qkv + row[:, None] * (HEADS + 2 * KV_HEADS) * 2 * HALF + j * 2 * HALF + cols[None, :]
-        a = tl.load(src, mask=m)
-        b = tl.load(src + HALF, mask=m)
         if j < HEADS + KV_HEADS:
             pos = (tl.load(pos0 + n, mask=live, other=0) + t).to(tl.float32)
             ang = pos[:, None] * tl.load(inv_freq + cols)[None, :]
@@ -106,6 +105,28 @@ if triton is not None:
             dst = v_out + (n * sv_n + (j - HEADS - KV_HEADS) * sv_g + t * sv_t)[:, None] + cols[None, :]
             tl.store(dst, a, mask=m)
             tl.store(dst + HALF, b, mask=m)
+
+    @triton.jit
+    def _qkv_rope_kernel(
+        qkv, pos0, inv_freq, q_out, k_out, v_out,
+        rows, T, HEADS, KV_HEADS,
+        sk_n, sk_g, sk_t, sv_n, sv_g, sv_t,
+        HALF: tl.constexpr, BT: tl.constexpr,
+    ):  # fmt: skip
+        row = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)  # n * T + t, BT tokens
+        live = row < rows
+        j = tl.program_id(1)  # head among h + 2g
+        n = row // T
+        t = row % T
+        cols = tl.arange(0, HALF)
+        m = live[:, None]
+        src = qkv + row[:, None] * (HEADS + 2 * KV_HEADS) * 2 * HALF + j * 2 * HALF + cols[None, :]
+        a = tl.load(src, mask=m)
+        b = tl.load(src + HALF, mask=m)
+        store_head(
+            a, b, n, t, live, j, T, pos0, inv_freq, q_out, k_out, v_out, HEADS, KV_HEADS,
+            sk_n, sk_g, sk_t, sv_n, sv_g, sv_t, HALF,
+        )  # fmt: skip
 
 
 def qkv_rope_triton(
@@ -156,8 +177,7 @@ def qkv_rope(
     Returns:
         q ``(N, h, T, d)``, and k, v ``(N, g, T, d)`` (views of ``kv_out`` when given).
     """
-    if pos0.shape != qkv.shape[:1] or pos0.dtype != torch.int64:
-        raise ValueError(f"qkv_rope: pos0 must be ({qkv.shape[0]},) int64, got {tuple(pos0.shape)} {pos0.dtype}")
+    check_positions(pos0, qkv.shape[0], "qkv_rope")
     outs = [] if kv_out is None else [kv_out]
     if use_triton(qkv, pos0, inv_freq, *outs):
         return qkv_rope_triton(qkv, pos0, inv_freq, heads, kv_heads, kv_out)
