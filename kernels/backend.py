@@ -5,11 +5,20 @@ no autograd graph is being recorded through them (the kernels have no backward; 
 the references, which are plain differentiable torch). :func:`reference_only` forces the
 references for a block of code, e.g. to measure a before/after in one process; it is read when
 the Python code runs, so it selects what a graph captures, not what a replay does.
+
+Programmatic dependent launch (Hopper and later): inside a captured graph a small kernel may
+start while the kernel before it is still running. A kernel written for it calls
+:func:`inputs_ready` before it touches anything an earlier kernel wrote, or anything it writes
+(loads of the weights, constants of the graph, may come first), then
+:func:`launch_dependents` to let the next kernel start; :func:`dependent_launch` gives the
+launch option. Where it is off (eager calls, older GPUs or Triton, the CPU interpreter) the two
+calls are no-ops and launches are stream-ordered as usual.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 
 import torch
@@ -20,6 +29,11 @@ try:
 except ImportError:  # CPU-only installs: every call takes its reference
     triton = None
     tl = None
+
+try:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # no Triton, or one older than 3.4: launches stay stream-ordered
+    gdc_launch_dependents = gdc_wait = None
 
 _forced_reference = False
 
@@ -53,3 +67,52 @@ def reference_only() -> Iterator[None]:
         yield
     finally:
         _forced_reference = before
+
+
+@functools.cache
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device`` (Triton's CPU interpreter: an H100's 132)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+
+
+@functools.cache
+def grid_dependency(device: torch.device) -> bool:
+    """Whether kernels on ``device`` can take part in programmatic dependent launch: a CUDA GPU
+    of compute capability 9.0 or later and a Triton that has the grid-dependency calls."""
+    return gdc_wait is not None and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def dependent_launch(device: torch.device, programs: int) -> dict[str, bool]:
+    """Launch options of a kernel written for programmatic dependent launch: its ``GDC``
+    constexpr, and ``launch_pdl`` while a graph is being captured.
+
+    ``GDC`` (the grid-dependency calls compiled in; a kernel may also order its loads for them)
+    holds where the grid fits on the GPU at once, at most one program per SM: bigger grids run in
+    waves, where programs parked at :func:`inputs_ready` would hold SMs that the kernel ahead
+    still needs, and are throughput-bound anyway. The launch is dependent only inside a capture:
+    in eager calls the kernel ahead may have just written a weight that a kernel loads before
+    :func:`inputs_ready` (an optimizer step); in a graph no node writes a weight the graph reads
+    (the capture's warm-up refreshes derived weights before it). Eager and captured launches of
+    one shape run the same compiled kernel."""
+    gdc = grid_dependency(device) and programs <= sm_count(device)
+    if gdc and torch.cuda.is_current_stream_capturing():
+        return {"GDC": True, "launch_pdl": True}
+    return {"GDC": gdc}
+
+
+if triton is not None:
+
+    @triton.jit
+    def inputs_ready(GDC: tl.constexpr):
+        """Wait until every earlier kernel has finished and its writes are visible (a no-op
+        unless the kernel was launched dependent). Call it before reading anything but weights
+        and before the first store."""
+        if GDC:
+            gdc_wait()
+
+    @triton.jit
+    def launch_dependents(GDC: tl.constexpr):
+        """Let the next kernel, when launched dependent, start: its programs run up to their own
+        :func:`inputs_ready`. Called after :func:`inputs_ready`, so at most two kernels overlap."""
+        if GDC:
+            gdc_launch_dependents()

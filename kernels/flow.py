@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.backend import tl, triton, use_triton
+from kernels.backend import dependent_launch, tl, triton, use_triton
 from kernels.norm import add_rms_norm_reference
 
 
@@ -34,21 +34,30 @@ def euler_step_reference(
 
 
 if triton is not None:
+    from kernels.backend import inputs_ready, launch_dependents
 
     @triton.jit
-    def _time_embed_kernel(x, wx, bias, out, E, A: tl.constexpr, A_PAD: tl.constexpr, BE: tl.constexpr):
+    def _time_embed_kernel(
+        x, wx, bias, out, E, A: tl.constexpr, A_PAD: tl.constexpr, BE: tl.constexpr, GDC: tl.constexpr
+    ):
         row = tl.program_id(0).to(tl.int64)
         e = tl.program_id(1) * BE + tl.arange(0, BE)
         a = tl.arange(0, A_PAD)
-        xe = tl.load(x + row * A + a, mask=a < A, other=0.0)
         w = tl.load(wx + e[:, None] * A + a[None, :], mask=(e[:, None] < E) & (a[None, :] < A), other=0.0)
-        z = tl.sum(w * xe[None, :], axis=1) + tl.load(bias + e, mask=e < E, other=0.0)
+        b = tl.load(bias + e, mask=e < E, other=0.0)
+        inputs_ready(GDC)  # the folded weights are constants of the graph: loaded before the wait
+        launch_dependents(GDC)
+        xe = tl.load(x + row * A + a, mask=a < A, other=0.0)
+        z = tl.sum(w * xe[None, :], axis=1) + b
         tl.store(out + row * E + e, (z / (1.0 + tl.exp(-z))).to(out.dtype.element_ty), mask=e < E)
 
     @triton.jit
     def _euler_step_kernel(
-        x, h, norm_w, w_out, b_out, x_out, E, eps, A: tl.constexpr, A_PAD: tl.constexpr, BE: tl.constexpr
-    ):
+        x, h, norm_w, w_out, b_out, x_out, E, eps,
+        A: tl.constexpr, A_PAD: tl.constexpr, BE: tl.constexpr, GDC: tl.constexpr,
+    ):  # fmt: skip
+        inputs_ready(GDC)
+        launch_dependents(GDC)
         row = tl.program_id(0).to(tl.int64)
         a = tl.arange(0, A_PAD)
         ssq = tl.zeros((BE,), dtype=tl.float32)
@@ -75,9 +84,18 @@ def time_embed_triton(x: torch.Tensor, wx: torch.Tensor, bias: torch.Tensor, dty
     out = torch.empty((*x.shape[:-1], e), dtype=dtype, device=x.device)
     rows = x.numel() // a
     be = min(128, triton.next_power_of_2(e))
+    grid = (rows, triton.cdiv(e, be))
     if rows:
-        _time_embed_kernel[(rows, triton.cdiv(e, be))](
-            x.contiguous(), wx.contiguous(), bias, out, e, A=a, A_PAD=triton.next_power_of_2(a), BE=be
+        _time_embed_kernel[grid](
+            x.contiguous(),
+            wx.contiguous(),
+            bias,
+            out,
+            e,
+            A=a,
+            A_PAD=triton.next_power_of_2(a),
+            BE=be,
+            **dependent_launch(x.device, grid[0] * grid[1]),
         )
     return out
 
@@ -94,6 +112,7 @@ def euler_step_triton(
         _euler_step_kernel[(rows,)](
             x.contiguous(), h.contiguous(), norm_w, w_out.contiguous(), b_out, out, e, eps,
             A=a, A_PAD=a_pad, BE=min(triton.next_power_of_2(e), max(64, 4096 // a_pad)),
+            **dependent_launch(x.device, rows),
         )  # fmt: skip
     return out
 

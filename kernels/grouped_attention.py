@@ -23,14 +23,13 @@ return zeros (SDPA: NaN).
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 
-from kernels.backend import tl, triton, use_triton
+from kernels.backend import dependent_launch, sm_count, tl, triton, use_triton
 
 Segment = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
 """A context segment: keys and values ``(N, g, T, d)`` and a bool mask ``(N, T)`` (None: all
@@ -64,6 +63,7 @@ def attention_reference(
 
 
 if triton is not None:
+    from kernels.backend import inputs_ready, launch_dependents
 
     @triton.jit
     def _row(rows, seg, i: tl.constexpr, base, local, s_t):
@@ -155,13 +155,15 @@ if triton is not None:
         k3, v3, m3, e3, sk3_n, sk3_g, sk3_t, sv3_n, sv3_g, sv3_t, sm3_n, sm3_t, TK, TM, CHUNK,
         SOURCES: tl.constexpr, TOKENS: tl.constexpr, FLAGS: tl.constexpr, ALIGNED: tl.constexpr,
         TWO_LOOPS: tl.constexpr, SPLIT: tl.constexpr,
-        BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, PRECISION: tl.constexpr,
+        BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, GDC: tl.constexpr, PRECISION: tl.constexpr,
     ):  # fmt: skip
         # Sources 0 .. SOURCES-1 (context segments, then the own block) form one sequence of TK
         # keys. With TWO_LOOPS, keys below TM (a multiple of BN) are swept with the per-token
         # masks and the rest by a second loop without them; else one loop loads them all.
         # Program (i, j, s) takes keys s*CHUNK .. (s+1)*CHUNK; with SPLIT its softmax state
         # (acc, max, sum) goes to ``part`` for _combine_kernel, else the output to ``out``.
+        inputs_ready(GDC)  # every input is an earlier kernel's output
+        launch_dependents(GDC)
         pid_nk = tl.program_id(1)
         n = (pid_nk // (H // G)).to(tl.int64)  # G = h / g query heads per key/value head
         kvh = pid_nk % (H // G)
@@ -212,8 +214,12 @@ if triton is not None:
             tl.store(dst, o.to(out.dtype.element_ty), mask=live[:, None])
 
     @triton.jit
-    def _combine_kernel(part, out, TQ, H, G, SPLITS: tl.constexpr, BM: tl.constexpr, D: tl.constexpr):
+    def _combine_kernel(
+        part, out, TQ, H, G, SPLITS: tl.constexpr, BM: tl.constexpr, D: tl.constexpr, GDC: tl.constexpr
+    ):
         """Merge the SPLITS softmax states of _attention_kernel's split programs into ``out``."""
+        inputs_ready(GDC)
+        launch_dependents(GDC)
         pid_nk = tl.program_id(1)
         n = (pid_nk // (H // G)).to(tl.int64)
         rows = tl.program_id(0) * BM + tl.arange(0, BM)
@@ -238,12 +244,6 @@ if triton is not None:
         tl.store(dst, o.to(out.dtype.element_ty), mask=live[:, None])
 
 
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors of ``device`` (Triton's CPU interpreter: an H100's 132)."""
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
-
-
 def attention_triton(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -264,7 +264,7 @@ def attention_triton(
     bm = max(16, min(64 if d <= 128 else 32, triton.next_power_of_2(group * tq)))
     grid = (triton.cdiv(group * tq, bm), n * g)
     bn, warps = (128 if d <= 64 and bm > 32 else 64, 4) if d <= 128 else (32, 8)  # few programs: wide blocks
-    sms = _sm_count(q.device)
+    sms = sm_count(q.device)
     if d <= 64 and grid[0] * grid[1] >= sms:  # throughput-bound: many programs
         bn, warps = 32, 2 if bm <= 32 else 4  # the fastest launch shape at 1024 and 4096 slots on an H200
     args, tokens, flags, start, token_end = [], 0, 0, 0, 0
@@ -302,9 +302,13 @@ def attention_triton(
             triton.cdiv(token_end, bn) * bn, chunk, SOURCES=len(sources), TOKENS=tokens, FLAGS=flags,
             ALIGNED=aligned, TWO_LOOPS=two_loops, SPLIT=splits > 1, BM=bm, BN=bn, D=d,
             PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=warps,
+            **dependent_launch(q.device, programs * splits),
         )  # fmt: skip
         if splits > 1:
-            _combine_kernel[grid](part, out, tq, h, group, SPLITS=splits, BM=bm, D=d, num_warps=4)
+            _combine_kernel[grid](
+                part, out, tq, h, group, SPLITS=splits, BM=bm, D=d, num_warps=4,
+                **dependent_launch(q.device, programs),
+            )  # fmt: skip
     return out
 
 

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.activation import gelu_mul, gelu_mul_reference
-from kernels.backend import tl, triton, use_triton
+from kernels.backend import dependent_launch, tl, triton, use_triton
 from kernels.norm import add_rms_norm, add_rms_norm_reference
 from kernels.rotary import check_positions, kv_destination, qkv_rope, qkv_rope_reference
 
@@ -75,24 +75,12 @@ def rms_norm_qkv_rope_reference(
 
 
 if triton is not None:
+    from kernels.backend import inputs_ready, launch_dependents
     from kernels.rotary import store_head
 
     @triton.jit
-    def _norm_linear_kernel(
-        x, norm_w, weight, out, pos0, inv_freq, k_out, v_out,
-        rows, width, eps, m, T, HEADS, KV_HEADS,
-        sk_n, sk_g, sk_t, sv_n, sv_g, sv_t,
-        ROPE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr,
-    ):  # fmt: skip
-        row = tl.program_id(0).to(tl.int64) * BM + tl.arange(0, BM)
-        live = row < rows
-        ks = tl.arange(0, BK)
-        kin = ks < width
-        a = tl.load(x + row[:, None] * width + ks[None, :], mask=live[:, None] & kin[None, :], other=0.0)
-        af = a.to(tl.float32)
-        r = 1.0 / tl.sqrt(tl.sum(af * af, axis=1) / width + eps)
-        nw = tl.load(norm_w + ks, mask=kin, other=0.0).to(tl.float32)
-        y = ((af * r[:, None]).to(a.dtype).to(tl.float32) * nw[None, :]).to(a.dtype)  # (BM, BK) normed rows
+    def _weight_blocks(weight, m, width, ks, kin, ROPE: tl.constexpr, BN: tl.constexpr):
+        """Program j's two (BN, BK) weight blocks, rows ``first`` and ``second``; returns ``first`` too."""
         j = tl.program_id(1)
         cols = tl.arange(0, BN)
         if ROPE:  # program j: head j among h + 2g, its two halves
@@ -103,13 +91,40 @@ if triton is not None:
             first = j * BN + cols
             second = first + m
             wm = (first < m)[:, None] & kin[None, :]
-        w1 = tl.load(weight + first[:, None] * width + ks[None, :], mask=wm, other=0.0)  # (BN, BK)
+        w1 = tl.load(weight + first[:, None] * width + ks[None, :], mask=wm, other=0.0)
         w2 = tl.load(weight + second[:, None] * width + ks[None, :], mask=wm, other=0.0)
+        return first, w1, w2
+
+    @triton.jit
+    def _norm_linear_kernel(
+        x, norm_w, weight, out, pos0, inv_freq, k_out, v_out,
+        rows, width, eps, m, T, HEADS, KV_HEADS,
+        sk_n, sk_g, sk_t, sv_n, sv_g, sv_t,
+        ROPE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GDC: tl.constexpr,
+        PRECISION: tl.constexpr,
+    ):  # fmt: skip
+        row = tl.program_id(0).to(tl.int64) * BM + tl.arange(0, BM)
+        live = row < rows
+        ks = tl.arange(0, BK)
+        kin = ks < width
+        if GDC:  # a grid that fits at once: its weights (constants of the graph) before the wait
+            first, w1, w2 = _weight_blocks(weight, m, width, ks, kin, ROPE, BN)
+            nw = tl.load(norm_w + ks, mask=kin, other=0.0).to(tl.float32)
+            inputs_ready(GDC)
+            launch_dependents(GDC)
+        a = tl.load(x + row[:, None] * width + ks[None, :], mask=live[:, None] & kin[None, :], other=0.0)
+        af = a.to(tl.float32)
+        r = 1.0 / tl.sqrt(tl.sum(af * af, axis=1) / width + eps)
+        if not GDC:  # programs in waves: each load where it is used (b256: 440 µs a step; weights first, 610)
+            nw = tl.load(norm_w + ks, mask=kin, other=0.0).to(tl.float32)
+        y = ((af * r[:, None]).to(a.dtype).to(tl.float32) * nw[None, :]).to(a.dtype)  # (BM, BK) normed rows
+        if not GDC:
+            first, w1, w2 = _weight_blocks(weight, m, width, ks, kin, ROPE, BN)
         p = tl.dot(y, tl.trans(w1), input_precision=PRECISION).to(a.dtype)  # (BM, BN), rounded as F.linear
         q = tl.dot(y, tl.trans(w2), input_precision=PRECISION).to(a.dtype)
         if ROPE:  # queries and keys rotated, rounded as the unfused kernel; values as projected
             store_head(
-                p, q, row // T, row % T, live, j, T, pos0, inv_freq, out, k_out, v_out, HEADS, KV_HEADS,
+                p, q, row // T, row % T, live, tl.program_id(1), T, pos0, inv_freq, out, k_out, v_out, HEADS, KV_HEADS,
                 sk_n, sk_g, sk_t, sv_n, sv_g, sv_t, BN,
             )  # fmt: skip
         else:  # gelu_tanh(gate) * up, rounded as kernels.gelu_mul
@@ -145,11 +160,13 @@ def _launch(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torc
         pos0, inv_freq, k_out, v_out, t, heads, kv_heads = rope
         m = 0
         sk, sv = k_out.stride()[:3], v_out.stride()[:3]
-    _norm_linear_kernel[(triton.cdiv(rows, 16), blocks)](
+    grid = (triton.cdiv(rows, 16), blocks)
+    _norm_linear_kernel[grid](
         x, norm_weight, weight, out, pos0, inv_freq, k_out, v_out,
         rows, width, eps, m, t, heads, kv_heads, *sk, *sv,
         ROPE=rope is not None, BM=16, BN=bn, BK=max(16, triton.next_power_of_2(width)),
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=4,
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        num_warps=4, **dependent_launch(x.device, grid[0] * grid[1]),
     )  # fmt: skip
 
 

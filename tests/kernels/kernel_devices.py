@@ -28,14 +28,27 @@ def poison_allocator(device: str) -> None:
     del big, small
 
 
-def spy_launches(monkeypatch: pytest.MonkeyPatch, module: object, name: str) -> list:
-    """Record the grid of every launch of the Triton kernel ``module.name`` (still launched)."""
-    grids, kernel = [], getattr(module, name)
+class Launches(list):
+    """The grids of a kernel's launches, in order; ``dependent[i]``: launch i asked for
+    programmatic dependent launch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dependent: list[bool] = []
+
+
+def spy_launches(monkeypatch: pytest.MonkeyPatch, module: object, name: str) -> Launches:
+    """Record every launch of the Triton kernel ``module.name`` (still launched)."""
+    launches, kernel = Launches(), getattr(module, name)
 
     class Spy:
         def __getitem__(self, grid):
-            grids.append(grid)
-            return kernel[grid]
+            def launch(*args, **kwargs):
+                launches.append(grid)
+                launches.dependent.append(bool(kwargs.get("launch_pdl", False)))
+                return kernel[grid](*args, **kwargs)
+
+            return launch
 
     monkeypatch.setattr(module, name, Spy())
-    return grids
+    return launches

@@ -10,6 +10,7 @@ import torch
 
 from kernels import reference_only
 from kernels.activation import gelu_mul_reference, gelu_mul_triton, linear_gelu, linear_gelu_reference
+from kernels.backend import sm_count
 from kernels.flow import euler_step_reference, euler_step_triton, time_embed_reference, time_embed_triton
 from kernels.grouped_attention import attention, attention_reference, attention_triton
 from kernels.norm import (
@@ -318,7 +319,7 @@ def test_attention_splits_the_keys_only_when_programs_are_few(device, monkeypatc
 
     merges = spy_launches(monkeypatch, ga, "_combine_kernel")
     g = torch.Generator(device=device).manual_seed(11)
-    for n, split in ((3, True), (ga._sm_count(torch.device(device)) // 2 + 1, False)):
+    for n, split in ((3, True), (sm_count(torch.device(device)) // 2 + 1, False)):
         for dtype in dtypes(device):
             rnd = lambda *s, dt=dtype: torch.randn(*s, device=device, generator=g).to(dt)  # noqa: E731
             q, k, v = rnd(n, 4, 8, 64), rnd(n, 1, 8, 64), rnd(n, 1, 8, 64)
