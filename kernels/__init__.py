@@ -12,6 +12,7 @@ module                           kernels
 ``kernels.activation``           gated-MLP activation ``gelu_tanh(gate) * up``; linear + GELU (cuBLASLt epilogue)
 ``kernels.rotary``               QKV split + rotary embedding, keys/values written into cache views
 ``kernels.norm_linear``          RMSNorm + projection + its consumer (rotary split, or GeGLU) in one pass
+``kernels.matmul``               few-row projection, plain or accumulated onto the residual in place
 ``kernels.grouped_attention``    grouped-query attention over context segments and own keys, read in place
 ``kernels.flow``                 folded time embedding, and final norm + output projection + Euler update
 ``kernels.rng``                  per-slot counter-based Gaussian noise (draw + counter bump)
@@ -23,22 +24,25 @@ from kernels.activation import gelu_mul, linear_gelu
 from kernels.backend import implementation, reference_only, use_triton
 from kernels.flow import euler_step, time_embed
 from kernels.grouped_attention import attention
+from kernels.matmul import add_matmul, linear
 from kernels.norm import add_layer_norm, add_rms_norm
 from kernels.norm_linear import rms_norm_geglu, rms_norm_qkv_rope
 from kernels.rng import draw_normal_
 from kernels.rotary import qkv_rope
 from kernels.slot_copy import masked_copy_rows, masked_copy_rows_reference, scatter_rows
 
-__version__ = "0.5.0"  # bump when a kernel's numerics change: capsules name the version they were made with
+__version__ = "0.6.0"  # bump when a kernel's numerics change: capsules name the version they were made with
 
 __all__ = [
     "add_layer_norm",
+    "add_matmul",
     "add_rms_norm",
     "attention",
     "draw_normal_",
     "euler_step",
     "gelu_mul",
     "implementation",
+    "linear",
     "linear_gelu",
     "masked_copy_rows",
     "masked_copy_rows_reference",

@@ -28,9 +28,11 @@ from torch import nn
 
 from kernels import (
     add_layer_norm,
+    add_matmul,
     add_rms_norm,
     attention,
     euler_step,
+    linear,
     linear_gelu,
     rms_norm_geglu,
     rms_norm_qkv_rope,
@@ -83,6 +85,14 @@ class Folded:
             return self.fn()
         key = tuple((p.data_ptr(), p._version, p.dtype) for p in self.params)
         if key != self.key:
+            # A graph's kernels load weights before they wait for the kernel ahead of them
+            # (kernels.backend): a refresh recorded into the graph would race with its readers.
+            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(
+                    "weights changed since the last run and a graph is being captured: run the "
+                    "computation once outside the capture (a warm-up) so the derived weights are "
+                    "refreshed before it"
+                )
             new = self.fn()
             if self.value and all(
                 a.shape == b.shape and a.device == b.device for a, b in zip(self.value, new, strict=True)
@@ -146,16 +156,6 @@ class DecoderLayer(nn.Module):
         x = add_matmul(x, attention(q, k, v, own_mask, context).reshape(n, t, -1), self.o.weight)
         x = add_matmul(x, rms_norm_geglu(x, n2.weight, n2.eps, self.gate_up.weight), self.down.weight)
         return x, k, v
-
-
-def add_matmul(x: torch.Tensor, a: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``x + a @ weight.T`` over the last dim. Unless autograd records through it, the product
-    accumulates into ``x`` in place (x must be a fresh residual sum no one else reads): an
-    out-of-place addmm first copies x into its output, one more graph node per layer."""
-    x2, a2 = x.view(-1, x.shape[-1]), a.view(-1, a.shape[-1])
-    if torch.is_grad_enabled() and (x.requires_grad or a.requires_grad or weight.requires_grad):
-        return torch.addmm(x2, a2, weight.t()).view(x.shape)
-    return x2.addmm_(a2, weight.t()).view(x.shape)
 
 
 def layer_norm(norm: nn.LayerNorm, x: torch.Tensor, delta: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -364,7 +364,8 @@ class FlowPolicy(nn.Module):
         x = noise.float().contiguous()
         pos0 = self.frame_start(frame + 1)
         for s in range(self.cfg.steps):
-            h = self._expert_layers(self.time_out(time_embed(x, wx, bias[s], self.dtype)), prefix, pos0)
+            h = time_embed(x, wx, bias[s], self.dtype)
+            h = self._expert_layers(linear(h, self.time_out.weight, self.time_out.bias), prefix, pos0)
             x = euler_step(x, h, self.expert_norm.weight, w_out, b_out, self.expert_norm.eps)
         return x
 

@@ -189,23 +189,6 @@ def test_config_validation():
         PolicyConfig.from_json('{"vocab": [], "bogus": 1}')
 
 
-def test_add_matmul_accumulates_in_place_only_outside_autograd():
-    from policies.model import add_matmul
-
-    x, a, w = torch.randn(2, 3, 4), torch.randn(2, 3, 5), torch.randn(4, 5, requires_grad=True)
-    want = x + a @ w.detach().T
-    with torch.no_grad():
-        inplace = x.clone()
-        got = add_matmul(inplace, a, w)
-    torch.testing.assert_close(got, want)
-    assert got.data_ptr() == inplace.data_ptr()  # no copy of x into a new output
-    x0 = x.clone()
-    got = add_matmul(x, a, w)  # autograd records: x is left as it was, the gradient flows
-    assert torch.equal(x, x0) and got.data_ptr() != x.data_ptr()
-    got.sum().backward()
-    torch.testing.assert_close(w.grad, a.reshape(-1, 5).sum(0).expand(4, 5))
-
-
 def test_folded_euler_loop_equals_the_unfolded_velocity_integration():
     """sample() runs on weights folded at load time (time embedding into one affine map per
     step, -1/steps into the output projection); it must integrate the same ODE as velocity()."""

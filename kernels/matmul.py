@@ -1,0 +1,127 @@
+"""Linear layers over few rows: ``a @ W^T (+ bias)``, or accumulated onto a residual in place.
+
+At one slot a projection is a few rows by a few hundred columns, and its cost is the launch and
+the weight's trip from L2, not arithmetic: cuBLAS takes ~2.6 µs a call on an H200, a Triton
+program per column block ~1.9 µs. Inside a captured graph the Triton kernel also starts before
+the kernel ahead of it finishes (programmatic dependent launch, :mod:`kernels.backend`): it loads
+its weight block first and waits for its input after, which cuBLAS cannot (a chain of 200 such
+calls: 1.1 µs a call, against 2.6 for cuBLAS). So the action expert's output and down
+projections and its time MLP's output layer run here, and a decoder layer at one slot is all
+Triton.
+
+A program holds ``BN`` weight rows whole (``k`` at most :data:`MAX_K`) and 16 input rows; the
+product is rounded once to the output dtype after the bias or the residual is added in float32,
+as cuBLAS's ``addmm`` rounds. More rows or wider inputs take cuBLAS, which is faster there.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kernels.backend import dependent_launch, tl, triton, use_triton
+
+MAX_ROWS = 256
+MAX_K = 1024
+"""Most rows and widest inputs a call takes the Triton kernel for (``tiny``'s expert at up to 32
+slots; its down projection is 768 wide). Beyond them cuBLAS's tiled GEMM wins."""
+
+
+def add_matmul_reference(x: torch.Tensor, a: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Torch reference of :func:`add_matmul` (in place unless autograd records through it)."""
+    x2, a2 = x.view(-1, x.shape[-1]), a.reshape(-1, a.shape[-1])
+    if torch.is_grad_enabled() and (x.requires_grad or a.requires_grad or weight.requires_grad):
+        return torch.addmm(x2, a2, weight.t()).view(x.shape)
+    return x2.addmm_(a2, weight.t()).view(x.shape)
+
+
+if triton is not None:
+    from kernels.backend import inputs_ready, launch_dependents
+
+    @triton.jit
+    def _linear_kernel(
+        a, weight, bias, out, rows, K, N,
+        HAS_BIAS: tl.constexpr, ACCUMULATE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+        BK: tl.constexpr, GDC: tl.constexpr, PRECISION: tl.constexpr,
+    ):  # fmt: skip
+        cols = tl.program_id(1) * BN + tl.arange(0, BN)
+        ks = tl.arange(0, BK)
+        w = tl.load(weight + cols[:, None] * K + ks[None, :], mask=(cols[:, None] < N) & (ks[None, :] < K), other=0.0)
+        if HAS_BIAS:
+            b = tl.load(bias + cols, mask=cols < N, other=0.0).to(tl.float32)
+        inputs_ready(GDC)  # the weight is a constant of the graph: loaded before the wait
+        launch_dependents(GDC)
+        row = tl.program_id(0).to(tl.int64) * BM + tl.arange(0, BM)
+        live = row < rows
+        x = tl.load(a + row[:, None] * K + ks[None, :], mask=live[:, None] & (ks[None, :] < K), other=0.0)
+        acc = tl.dot(x, tl.trans(w), input_precision=PRECISION)  # (BM, BN) float32
+        dst = out + row[:, None] * N + cols[None, :]
+        keep = live[:, None] & (cols < N)[None, :]
+        if HAS_BIAS:
+            acc += b[None, :]
+        if ACCUMULATE:
+            acc += tl.load(dst, mask=keep, other=0.0).to(tl.float32)
+        tl.store(dst, acc.to(out.dtype.element_ty), mask=keep)
+
+
+def _launch(
+    a: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor, accumulate: bool
+) -> None:
+    n, k = weight.shape
+    rows = a.numel() // k
+    if not rows:
+        return
+    bk = max(16, triton.next_power_of_2(k))
+    bn = max(16, min(64, 16384 // bk))  # a 32 KB bf16 weight block a program
+    grid = (triton.cdiv(rows, 16), triton.cdiv(n, bn))
+    _linear_kernel[grid](
+        a, weight, out if bias is None else bias, out, rows, k, n,
+        HAS_BIAS=bias is not None, ACCUMULATE=accumulate, BM=16, BN=bn, BK=bk,
+        PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+        num_warps=4, **dependent_launch(a.device, grid[0] * grid[1]),
+    )  # fmt: skip
+
+
+def _fits(a: torch.Tensor, weight: torch.Tensor, *tensors: torch.Tensor) -> bool:
+    """Whether a call takes the Triton kernel (else torch, which also reports dtype mismatches)."""
+    k = weight.shape[1]
+    few = 16 <= k <= MAX_K and a.numel() <= MAX_ROWS * k
+    same = all(t.dtype == a.dtype for t in (weight, *tensors))
+    return few and same and use_triton(a, weight, *tensors)
+
+
+def _check(name: str, a: torch.Tensor, weight: torch.Tensor) -> None:
+    if weight.dim() != 2 or a.shape[-1:] != weight.shape[1:]:
+        raise ValueError(
+            f"{name}: the weight must be (out, {a.shape[-1]}) as nn.Linear stores it for inputs "
+            f"(..., {a.shape[-1]}), got {tuple(weight.shape)}"
+        )
+
+
+def linear(a: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(a, weight, bias)``: a ``(..., k)``, weight ``(n, k)``, bias ``(n,)`` -> ``(..., n)``."""
+    _check("linear", a, weight)
+    if _fits(a, weight, *([] if bias is None else [bias])):
+        out = a.new_empty((*a.shape[:-1], weight.shape[0]))
+        _launch(a.contiguous(), weight.contiguous(), bias, out, accumulate=False)
+        return out
+    return F.linear(a, weight, bias)
+
+
+def add_matmul(x: torch.Tensor, a: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x + a @ weight^T`` over the last dim: x ``(..., n)``, a ``(..., k)``, weight ``(n, k)``.
+
+    Unless autograd records through it, the product accumulates into ``x`` in place and ``x`` is
+    returned (x must be a residual sum no one else reads): an out-of-place add would first copy x,
+    one more graph node per layer.
+    """
+    _check("add_matmul", a, weight)
+    if x.shape[:-1] != a.shape[:-1] or x.shape[-1] != weight.shape[0]:
+        raise ValueError(
+            f"add_matmul: x {tuple(x.shape)} must be a's rows {tuple(a.shape[:-1])} by the weight's "
+            f"{weight.shape[0]} outputs"
+        )
+    if x.is_contiguous() and _fits(a, weight, x):
+        _launch(a.contiguous(), weight.contiguous(), None, x, accumulate=True)
+        return x
+    return add_matmul_reference(x, a, weight)

@@ -1,0 +1,143 @@
+"""Few-row linear layers (kernels.matmul) and programmatic dependent launch inside graphs."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import kernels.matmul as kl
+from kernels import add_matmul, linear
+from kernels.matmul import add_matmul_reference
+from tests.kernels.kernel_devices import DEVICES, poison_allocator, spy_launches
+
+
+def dtypes(device: str) -> list[torch.dtype]:
+    return [torch.bfloat16, torch.float32] if device == "cuda" else [torch.float32]
+
+
+def inputs(device, dtype, g, rows_shape, k, n):
+    a = torch.randn(*rows_shape, k, device=device, generator=g).to(dtype)
+    w = (torch.randn(n, k, device=device, generator=g) / k**0.5).to(dtype)
+    b = torch.randn(n, device=device, generator=g).to(dtype)
+    return a, w, b
+
+
+def close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
+    assert not got.isnan().any(), "the kernel left elements unwritten"
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+
+
+@pytest.fixture
+def triton_on_cpu(device, monkeypatch):
+    """The interpreter runs the kernel on CPU tensors, as on a GPU."""
+    if device == "cpu":
+        monkeypatch.setattr(kl, "use_triton", lambda *tensors: True)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    ("rows_shape", "k", "n"),
+    [((1, 8), 192, 192), ((1, 8), 768, 192), ((3, 7), 256, 20), ((16, 16), 100, 70)],  # expert o / down; ragged
+)
+def test_linear_and_add_matmul_match_torch(device, rows_shape, k, n, triton_on_cpu, monkeypatch):
+    launches = spy_launches(monkeypatch, kl, "_linear_kernel")
+    g = torch.Generator(device=device).manual_seed(k + n)
+    for dtype in dtypes(device):
+        a, w, b = inputs(device, dtype, g, rows_shape, k, n)
+        poison_allocator(device)
+        close(linear(a, w, b), F.linear(a, w, b), dtype)
+        close(linear(a, w), F.linear(a, w), dtype)
+        x = torch.randn(*rows_shape, n, device=device, generator=g).to(dtype)
+        want = add_matmul_reference(x.clone(), a, w)
+        got = add_matmul(x, a, w)
+        assert got.data_ptr() == x.data_ptr()  # accumulated in place, no copy of x
+        close(got, want, dtype)
+    assert len(launches) == 3 * len(dtypes(device))  # every call took the kernel
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_linear_takes_the_kernel_only_for_few_narrow_rows(device, triton_on_cpu, monkeypatch):
+    """Up to MAX_ROWS rows of at most MAX_K inputs one launch; one row more, wider inputs, a
+    weight of another dtype or a strided residual take torch. All agree with torch."""
+    launches = spy_launches(monkeypatch, kl, "_linear_kernel")
+    g = torch.Generator(device=device).manual_seed(1)
+    dtype = dtypes(device)[0]
+    for rows, k, kernel in ((kl.MAX_ROWS, 32, True), (kl.MAX_ROWS + 1, 32, False), (4, kl.MAX_K + 8, False)):
+        launches.clear()
+        a, w, b = inputs(device, dtype, g, (rows,), k, 24)
+        close(linear(a, w, b), F.linear(a, w, b), dtype)
+        assert bool(launches) == kernel, (rows, k)
+    a, w, _ = inputs(device, dtype, g, (4,), 32, 24)
+    launches.clear()
+    x = torch.randn(24, 4, device=device, generator=g).to(dtype).t()  # not contiguous: torch's addmm_
+    want = x + a @ w.T
+    close(add_matmul(x, a, w), want, dtype)
+    assert not launches
+
+
+def test_add_matmul_accumulates_in_place_only_outside_autograd():
+    x, a, w = torch.randn(2, 3, 4), torch.randn(2, 3, 5), torch.randn(4, 5, requires_grad=True)
+    want = x + a @ w.detach().T
+    with torch.no_grad():
+        inplace = x.clone()
+        got = add_matmul(inplace, a, w)
+    torch.testing.assert_close(got, want)
+    assert got.data_ptr() == inplace.data_ptr()  # no copy of x into a new output
+    x0 = x.clone()
+    got = add_matmul(x, a, w)  # autograd records: x is left as it was, the gradient flows
+    assert torch.equal(x, x0) and got.data_ptr() != x.data_ptr()
+    got.sum().backward()
+    torch.testing.assert_close(w.grad, a.reshape(-1, 5).sum(0).expand(4, 5))
+
+
+def test_linear_names_the_mismatched_weight():
+    a = torch.zeros(3, 8)
+    with pytest.raises(ValueError, match=r"must be \(out, 8\) as nn.Linear stores it"):
+        linear(a, torch.zeros(8, 5))
+    with pytest.raises(ValueError, match=r"must be \(out, 8\)"):
+        add_matmul(torch.zeros(3, 5), a, torch.zeros(5, 7))
+    with pytest.raises(ValueError, match=r"x \(3, 6\) must be a's rows \(3,\) by the weight's 5 outputs"):
+        add_matmul(torch.zeros(3, 6), a, torch.zeros(5, 8))
+
+
+@pytest.mark.cuda
+def test_dependent_launches_in_a_graph_replay_the_eager_chain(monkeypatch):
+    """A chain of 60 few-row projections, each reading the last one's output and writing the
+    residual the next reads: inside a capture each launch is dependent (it starts before the one
+    ahead finishes and loads its weight first); replayed, the chain gives the eager bytes. A
+    dependent launch that read its input or wrote before the wait would race and differ."""
+    from kernels.backend import grid_dependency
+
+    if not grid_dependency(torch.device("cuda")):
+        pytest.skip("programmatic dependent launch needs compute capability 9.0 and Triton 3.4")
+    launches = spy_launches(monkeypatch, kl, "_linear_kernel")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    weights = [inputs("cuda", torch.bfloat16, g, (1,), 192, 768)[1:] for _ in range(30)]
+    downs = [inputs("cuda", torch.bfloat16, g, (1,), 768, 192)[1] for _ in range(30)]
+    x0 = torch.randn(8, 192, device="cuda", generator=g).to(torch.bfloat16)
+    x = torch.empty_like(x0)
+
+    def chain() -> None:
+        x.copy_(x0)
+        for (w, b), down in zip(weights, downs, strict=True):
+            add_matmul(x, linear(x, w, b), down)
+
+    chain()
+    eager = x.clone()
+    assert not any(launches.dependent)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        chain()  # warm-up off the default stream, as graph capture wants
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    launches.clear()
+    launches.dependent.clear()
+    with torch.cuda.graph(graph):
+        chain()
+    assert len(launches.dependent) == 60 and all(launches.dependent)
+    for _ in range(20):
+        x.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(x, eager)
