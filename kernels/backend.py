@@ -92,8 +92,9 @@ def dependent_launch(device: torch.device, programs: int) -> dict[str, bool]:
     still needs, and are throughput-bound anyway. The launch is dependent only inside a capture:
     in eager calls the kernel ahead may have just written a weight that a kernel loads before
     :func:`inputs_ready` (an optimizer step); in a graph no node writes a weight the graph reads
-    (the capture's warm-up refreshes derived weights before it). Eager and captured launches of
-    one shape run the same compiled kernel."""
+    (derived weights are refreshed by the capture's warm-up; ``policies.model.Folded`` refuses a
+    refresh inside a capture). Eager and captured launches of one shape run the same compiled
+    kernel."""
     gdc = grid_dependency(device) and programs <= sm_count(device)
     if gdc and torch.cuda.is_current_stream_capturing():
         return {"GDC": True, "launch_pdl": True}

@@ -189,6 +189,21 @@ def test_config_validation():
         PolicyConfig.from_json('{"vocab": [], "bogus": 1}')
 
 
+def test_folded_weights_refuse_a_refresh_inside_a_capture(monkeypatch):
+    """A graph's kernels load weights before waiting for the kernel ahead, so a derived weight
+    refreshed inside a capture would race with its readers: the refresh is refused and named;
+    unchanged weights are served from the cache as usual."""
+    layer = FlowPolicy(config()).expert[0]
+    with torch.no_grad():
+        layer.qkv_weight()
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+        layer.qkv_weight()  # weights unchanged: no refresh, no error
+        layer.q.weight.add_(1.0)
+        with pytest.raises(RuntimeError, match="outside the capture"):
+            layer.qkv_weight()
+
+
 def test_folded_euler_loop_equals_the_unfolded_velocity_integration():
     """sample() runs on weights folded at load time (time embedding into one affine map per
     step, -1/steps into the output projection); it must integrate the same ODE as velocity()."""
