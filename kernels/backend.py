@@ -9,10 +9,10 @@ the Python code runs, so it selects what a graph captures, not what a replay doe
 Programmatic dependent launch (Hopper and later): inside a captured graph a small kernel may
 start while the kernel before it is still running. A kernel written for it calls
 :func:`inputs_ready` before it touches anything an earlier kernel wrote, or anything it writes
-(loads of the weights, constants of the graph, may come first), then
-:func:`launch_dependents` to let the next kernel start; :func:`dependent_launch` gives the
-launch option. Where it is off (eager calls, older GPUs or Triton, the CPU interpreter) the two
-calls are no-ops and launches are stream-ordered as usual.
+(loads of the weights, constants of the graph, may come first); that call also lets the next
+kernel start. :func:`dependent_launch` gives the launch options. Where it is off (eager calls,
+older GPUs or Triton, the CPU interpreter) the call is a no-op and launches are stream-ordered
+as usual.
 """
 
 from __future__ import annotations
@@ -105,15 +105,10 @@ if triton is not None:
 
     @triton.jit
     def inputs_ready(GDC: tl.constexpr):
-        """Wait until every earlier kernel has finished and its writes are visible (a no-op
-        unless the kernel was launched dependent). Call it before reading anything but weights
-        and before the first store."""
+        """Wait until every earlier kernel has finished and its writes are visible, then let the
+        next kernel, when launched dependent, start (its programs run up to their own wait, so
+        at most two kernels overlap). A no-op unless the kernel was launched dependent. Call it
+        before reading anything but weights and before the first store."""
         if GDC:
             gdc_wait()
-
-    @triton.jit
-    def launch_dependents(GDC: tl.constexpr):
-        """Let the next kernel, when launched dependent, start: its programs run up to their own
-        :func:`inputs_ready`. Called after :func:`inputs_ready`, so at most two kernels overlap."""
-        if GDC:
             gdc_launch_dependents()

@@ -63,7 +63,7 @@ def attention_reference(
 
 
 if triton is not None:
-    from kernels.backend import inputs_ready, launch_dependents
+    from kernels.backend import inputs_ready
 
     @triton.jit
     def _row(rows, seg, i: tl.constexpr, base, local, s_t):
@@ -163,7 +163,6 @@ if triton is not None:
         # Program (i, j, s) takes keys s*CHUNK .. (s+1)*CHUNK; with SPLIT its softmax state
         # (acc, max, sum) goes to ``part`` for _combine_kernel, else the output to ``out``.
         inputs_ready(GDC)  # every input is an earlier kernel's output
-        launch_dependents(GDC)
         pid_nk = tl.program_id(1)
         n = (pid_nk // (H // G)).to(tl.int64)  # G = h / g query heads per key/value head
         kvh = pid_nk % (H // G)
@@ -219,7 +218,6 @@ if triton is not None:
     ):
         """Merge the SPLITS softmax states of _attention_kernel's split programs into ``out``."""
         inputs_ready(GDC)
-        launch_dependents(GDC)
         pid_nk = tl.program_id(1)
         n = (pid_nk // (H // G)).to(tl.int64)
         rows = tl.program_id(0) * BM + tl.arange(0, BM)

@@ -36,7 +36,7 @@ def add_matmul_reference(x: torch.Tensor, a: torch.Tensor, weight: torch.Tensor)
 
 
 if triton is not None:
-    from kernels.backend import inputs_ready, launch_dependents
+    from kernels.backend import inputs_ready
 
     @triton.jit
     def _linear_kernel(
@@ -50,7 +50,6 @@ if triton is not None:
         if HAS_BIAS:
             b = tl.load(bias + cols, mask=cols < N, other=0.0).to(tl.float32)
         inputs_ready(GDC)  # the weight is a constant of the graph: loaded before the wait
-        launch_dependents(GDC)
         row = tl.program_id(0).to(tl.int64) * BM + tl.arange(0, BM)
         live = row < rows
         x = tl.load(a + row[:, None] * K + ks[None, :], mask=live[:, None] & (ks[None, :] < K), other=0.0)

@@ -75,7 +75,7 @@ def rms_norm_qkv_rope_reference(
 
 
 if triton is not None:
-    from kernels.backend import inputs_ready, launch_dependents
+    from kernels.backend import inputs_ready
     from kernels.rotary import store_head
 
     @triton.jit
@@ -111,7 +111,6 @@ if triton is not None:
             first, w1, w2 = _weight_blocks(weight, m, width, ks, kin, ROPE, BN)
             nw = tl.load(norm_w + ks, mask=kin, other=0.0).to(tl.float32)
             inputs_ready(GDC)
-            launch_dependents(GDC)
         a = tl.load(x + row[:, None] * width + ks[None, :], mask=live[:, None] & kin[None, :], other=0.0)
         af = a.to(tl.float32)
         r = 1.0 / tl.sqrt(tl.sum(af * af, axis=1) / width + eps)

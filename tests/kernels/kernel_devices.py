@@ -18,6 +18,18 @@ DEVICES = [
 ]
 
 
+def dtypes(device: str) -> list[torch.dtype]:
+    """The dtypes a kernel is checked in: bf16 and fp32 on the GPU, fp32 in the interpreter."""
+    return [torch.bfloat16, torch.float32] if device == "cuda" else [torch.float32]
+
+
+def close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> None:
+    """``got`` has every element written and matches ``want`` to ``dtype``'s tolerance."""
+    tol = (2e-2 if dtype == torch.bfloat16 else 1e-4) * scale
+    assert not got.isnan().any(), "the kernel left elements unwritten"
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+
+
 def poison_allocator(device: str) -> None:
     """Fill the CUDA caching allocator's free blocks with NaN, so that an output element a kernel
     never writes reads back as NaN (freshly allocated CPU memory is left as the OS gives it)."""

@@ -31,17 +31,7 @@ from kernels.norm_linear import (
 )
 from kernels.rng import draw_normal_reference, draw_normal_triton
 from kernels.rotary import qkv_rope_reference, qkv_rope_triton
-from tests.kernels.kernel_devices import DEVICES, poison_allocator, spy_launches
-
-
-def dtypes(device: str) -> list[torch.dtype]:
-    return [torch.bfloat16, torch.float32] if device == "cuda" else [torch.float32]
-
-
-def close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> None:
-    tol = (2e-2 if dtype == torch.bfloat16 else 1e-4) * scale
-    assert not got.isnan().any(), "the kernel left elements unwritten"
-    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+from tests.kernels.kernel_devices import DEVICES, close, dtypes, poison_allocator, spy_launches
 
 
 @pytest.mark.parametrize("device", DEVICES)

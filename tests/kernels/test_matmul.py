@@ -7,11 +7,7 @@ import torch.nn.functional as F
 import kernels.matmul as kl
 from kernels import add_matmul, linear
 from kernels.matmul import add_matmul_reference
-from tests.kernels.kernel_devices import DEVICES, poison_allocator, spy_launches
-
-
-def dtypes(device: str) -> list[torch.dtype]:
-    return [torch.bfloat16, torch.float32] if device == "cuda" else [torch.float32]
+from tests.kernels.kernel_devices import DEVICES, close, dtypes, poison_allocator, spy_launches
 
 
 def inputs(device, dtype, g, rows_shape, k, n):
@@ -19,12 +15,6 @@ def inputs(device, dtype, g, rows_shape, k, n):
     w = (torch.randn(n, k, device=device, generator=g) / k**0.5).to(dtype)
     b = torch.randn(n, device=device, generator=g).to(dtype)
     return a, w, b
-
-
-def close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
-    tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
-    assert not got.isnan().any(), "the kernel left elements unwritten"
-    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
 
 
 @pytest.fixture
