@@ -9,10 +9,10 @@ references (before/after measurements in one process).
 module                           kernels
 ===============================  ========================================================================
 ``kernels.norm``                 residual add + RMSNorm / LayerNorm
-``kernels.activation``           gated-MLP activation ``gelu_tanh(gate) * up``; linear + GELU (cuBLASLt epilogue)
+``kernels.activation``           gated-MLP activation ``gelu_tanh(gate) * up``
 ``kernels.rotary``               QKV split + rotary embedding, keys/values written into cache views
 ``kernels.norm_linear``          RMSNorm + projection + its consumer (rotary split, or GeGLU) in one pass
-``kernels.matmul``               few-row projection, plain or accumulated onto the residual in place
+``kernels.matmul``               few-row projection: plain, + GELU, or accumulated onto the residual in place
 ``kernels.grouped_attention``    grouped-query attention over context segments and own keys, read in place
 ``kernels.flow``                 folded time embedding, and final norm + output projection + Euler update
 ``kernels.rng``                  per-slot counter-based Gaussian noise (draw + counter bump)
@@ -20,18 +20,18 @@ module                           kernels
 ===============================  ========================================================================
 """
 
-from kernels.activation import gelu_mul, linear_gelu
+from kernels.activation import gelu_mul
 from kernels.backend import implementation, reference_only, use_triton
 from kernels.flow import euler_step, time_embed
 from kernels.grouped_attention import attention
-from kernels.matmul import add_matmul, linear
+from kernels.matmul import add_matmul, linear, linear_gelu
 from kernels.norm import add_layer_norm, add_rms_norm
 from kernels.norm_linear import rms_norm_geglu, rms_norm_qkv_rope
 from kernels.rng import draw_normal_
 from kernels.rotary import qkv_rope
 from kernels.slot_copy import masked_copy_rows, masked_copy_rows_reference, scatter_rows
 
-__version__ = "0.6.0"  # bump when a kernel's numerics change: capsules name the version they were made with
+__version__ = "0.7.0"  # bump when a kernel's numerics change: capsules name the version they were made with
 
 __all__ = [
     "add_layer_norm",

@@ -1,12 +1,8 @@
-"""MLP activations.
-
-- :func:`gelu_mul`, the gated-MLP activation ``gelu_tanh(gate) * up`` from the fused gate/up
-  projection: the projection writes ``(..., 2m)`` with the gate in the first half; the kernel
-  reads both halves once and writes ``(..., m)``, where the reference takes a chunk, a GELU and
-  a product (three passes over memory).
-- :func:`linear_gelu`, the plain MLP's ``gelu_tanh(x W^T + b)``: on CUDA one cuBLASLt matmul
-  whose epilogue adds the bias and applies the GELU to the float32 accumulator, so no pass over
-  the (tokens x mlp) output runs apart from it.
+"""The gated-MLP activation :func:`gelu_mul`, ``gelu_tanh(gate) * up`` from the fused gate/up
+projection: the projection writes ``(..., 2m)`` with the gate in the first half; the kernel reads
+both halves once and writes ``(..., m)``, where the reference takes a chunk, a GELU and a product
+(three passes over memory). The plain MLP's ``gelu_tanh(x W^T + b)`` runs in its projection
+(:func:`kernels.matmul.linear_gelu`).
 """
 
 from __future__ import annotations
@@ -51,22 +47,6 @@ def gelu_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
     if rows:
         _gelu_mul_kernel[(rows, triton.cdiv(m, _BLOCK))](gate_up, out, m, BLOCK=_BLOCK)
     return out
-
-
-def linear_gelu_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    """Torch reference of :func:`linear_gelu`."""
-    return F.gelu(F.linear(x, weight, bias), approximate="tanh")
-
-
-def linear_gelu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    """``gelu_tanh(x @ weight.T + bias)`` for ``x (..., k)``, ``weight (m, k)``, ``bias (m,)``.
-
-    On CUDA the GELU runs in the matmul's epilogue on the float32 accumulator (rounded once; the
-    reference rounds the product, then the GELU)."""
-    if use_triton(x, weight, bias):
-        out = torch._addmm_activation(bias, x.reshape(-1, x.shape[-1]), weight.t(), use_gelu=True)
-        return out.view(*x.shape[:-1], weight.shape[0])
-    return linear_gelu_reference(x, weight, bias)
 
 
 def gelu_mul(gate_up: torch.Tensor) -> torch.Tensor:

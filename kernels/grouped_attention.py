@@ -11,9 +11,11 @@ its last key. Since all ``h / g`` query heads of a key/value head share its keys
 serves a whole group (rows = heads x tokens), so each key block is read once per group. With at
 least as many programs as SMs (many slots) the key blocks are narrower (32 keys) and the
 programs smaller (2 warps for 32 rows): more of them fit on an SM (docs/PERFORMANCE.md has the
-before and after). With few programs and many key blocks (pi0's expert at one slot: 13 programs,
-28 blocks each) the keys are split over more programs, whose softmax states a second kernel
-merges. With 3 or more key blocks after the last per-token-masked source, those blocks are
+before and after). With few query rows (a group of at most 32) and few slots, the rows are
+split into 16-row programs, so the group's heads run on separate SMs, and each reads all its
+keys (up to a 32 KB block) at once. With few programs and many key blocks (pi0's expert at one
+slot: 13 programs, 28 blocks each) the keys are split over more programs, whose softmax states a
+second kernel merges. With 3 or more key blocks after the last per-token-masked source, those blocks are
 swept by a second loop without mask loads, and a mask that is one flag per slot (an expanded
 ``(N, 1)``, stride 0) is read once per program rather than per key. Products run on tensor cores in
 the inputs' dtype (bf16), in full float32 for float32 inputs. The output is written as
@@ -258,13 +260,6 @@ def attention_triton(
     if d & (d - 1) or d < 16 or any(x.stride(-1) != 1 for x in (q, *(t for s in sources for t in s[:2]))):
         return attention_reference(q, k, v, mask, context)
     out = q.new_empty((n, tq, h, d))
-    group = h // g
-    bm = max(16, min(64 if d <= 128 else 32, triton.next_power_of_2(group * tq)))
-    grid = (triton.cdiv(group * tq, bm), n * g)
-    bn, warps = (128 if d <= 64 and bm > 32 else 64, 4) if d <= 128 else (32, 8)  # few programs: wide blocks
-    sms = sm_count(q.device)
-    if d <= 64 and grid[0] * grid[1] >= sms:  # throughput-bound: many programs
-        bn, warps = 32, 2 if bm <= 32 else 4  # the fastest launch shape at 1024 and 4096 slots on an H200
     args, tokens, flags, start, token_end = [], 0, 0, 0, 0
     for i, (sk, sv, sm) in enumerate([*sources, *[sources[-1]] * (MAX_SEGMENTS + 1 - len(sources))]):
         real = i < len(sources)
@@ -277,6 +272,20 @@ def attention_triton(
         sm_strides = (0, 0) if sm is None else m8.stride()
         args += [sk, sv, m8, *([start] if i else []), *sk.stride()[:3], *sv.stride()[:3], *sm_strides]
         start += sk.shape[2] if real else 0
+    group = h // g
+    bm = max(16, min(64 if d <= 128 else 32, triton.next_power_of_2(group * tq)))
+    grid = (triton.cdiv(group * tq, bm), n * g)
+    bn, warps, stages = (128 if d <= 64 and bm > 32 else 64, 4, 3) if d <= 128 else (32, 8, 3)  # few programs
+    sms, one_block = sm_count(q.device), max(16, triton.next_power_of_2(start))
+    if d <= 64 and grid[0] * grid[1] >= sms:  # throughput-bound: many programs
+        bn, warps = 32, 2 if bm <= 32 else 4  # the fastest launch shape at 1024 and 4096 slots on an H200
+    elif group * tq <= 32 and 2 * grid[1] <= sms and one_block * d * q.element_size() <= 32768:
+        # Few query rows (tiny's expert at up to 64 slots): 16-row programs, so a group's heads run
+        # on separate SMs, each reading every key in one block of at most 32 KB (nothing to
+        # pipeline). 4.8 against 6.5 us a call at one slot in a captured chain of dependent
+        # launches on an H200 (docs/PERFORMANCE.md).
+        bm, bn, stages = 16, one_block, 1
+        grid = (triton.cdiv(group * tq, bm), n * g)
     rows = [x for src in sources for x in src[:2]]
     aligned = all(
         x.data_ptr() % 16 == 0 and all(st * x.element_size() % 16 == 0 for st in x.stride()[:3]) for x in rows
@@ -299,7 +308,7 @@ def attention_triton(
             q, out, part, tq, h, group, math.log2(math.e) / math.sqrt(d), *q.stride()[:3], *args, start,
             triton.cdiv(token_end, bn) * bn, chunk, SOURCES=len(sources), TOKENS=tokens, FLAGS=flags,
             ALIGNED=aligned, TWO_LOOPS=two_loops, SPLIT=splits > 1, BM=bm, BN=bn, D=d,
-            PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=warps,
+            PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=warps, num_stages=stages,
             **dependent_launch(q.device, programs * splits),
         )  # fmt: skip
         if splits > 1:
@@ -344,6 +353,10 @@ def attention(
         if m is not None and m.dtype != torch.bool:  # SDPA would read a float mask as an additive bias
             raise ValueError(f"attention: {what} must be bool (True = may attend), got {m.dtype}")
     extra = [x for seg in context for x in seg if x is not None] + ([] if mask is None else [mask])
-    if use_triton(q, k, v, *extra):
+    # Plain self-attention (no context, no mask) over as many heads as SMs or more is left to
+    # SDPA's fused kernels (the vision tower at many frames); below that, where each call is a
+    # launch's latency, this kernel runs, launched dependent inside a graph.
+    plain_at_scale = not context and mask is None and n * h > sm_count(q.device)
+    if use_triton(q, k, v, *extra) and not plain_at_scale:
         return attention_triton(q, k, v, mask, context)
     return attention_reference(q, k, v, mask, context)

@@ -6,12 +6,13 @@ program per column block ~1.9 µs. Inside a captured graph the Triton kernel als
 the kernel ahead of it finishes (programmatic dependent launch, :mod:`kernels.backend`): it loads
 its weight block first and waits for its input after, which cuBLAS cannot (a chain of 200 such
 calls: 1.1 µs a call, against 2.6 for cuBLAS). So the action expert's output and down
-projections and its time MLP's output layer run here, and a decoder layer at one slot is all
-Triton.
+projections, its time MLP's output layer and the vision tower's projections at one slot run
+here, and the policy step at one slot is all Triton but for a few elementwise ops.
 
 A program holds ``BN`` weight rows whole (``k`` at most :data:`MAX_K`) and 16 input rows; the
-product is rounded once to the output dtype after the bias or the residual is added in float32,
-as cuBLAS's ``addmm`` rounds. More rows or wider inputs take cuBLAS, which is faster there.
+product is rounded once to the output dtype after the bias or the residual is added (and the
+GELU of :func:`linear_gelu` taken) in float32, as cuBLAS's ``addmm`` and cuBLASLt's GELU
+epilogue round. More rows or wider inputs take cuBLAS, which is faster there.
 """
 
 from __future__ import annotations
@@ -25,6 +26,11 @@ MAX_ROWS = 256
 MAX_K = 1024
 """Most rows and widest inputs a call takes the Triton kernel for (``tiny``'s expert at up to 32
 slots; its down projection is 768 wide). Beyond them cuBLAS's tiled GEMM wins."""
+
+
+def linear_gelu_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """Torch reference of :func:`linear_gelu`."""
+    return F.gelu(F.linear(x, weight, bias), approximate="tanh")
 
 
 def add_matmul_reference(x: torch.Tensor, a: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -41,8 +47,8 @@ if triton is not None:
     @triton.jit
     def _linear_kernel(
         a, weight, bias, out, rows, K, N,
-        HAS_BIAS: tl.constexpr, ACCUMULATE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-        BK: tl.constexpr, GDC: tl.constexpr, PRECISION: tl.constexpr,
+        HAS_BIAS: tl.constexpr, ACCUMULATE: tl.constexpr, GELU: tl.constexpr, BM: tl.constexpr,
+        BN: tl.constexpr, BK: tl.constexpr, GDC: tl.constexpr, PRECISION: tl.constexpr,
     ):  # fmt: skip
         cols = tl.program_id(1) * BN + tl.arange(0, BN)
         ks = tl.arange(0, BK)
@@ -60,11 +66,19 @@ if triton is not None:
             acc += b[None, :]
         if ACCUMULATE:
             acc += tl.load(dst, mask=keep, other=0.0).to(tl.float32)
+        if GELU:  # tanh form, on the float32 accumulator
+            z = 0.7978845608028654 * (acc + 0.044715 * acc * acc * acc)
+            acc = 0.5 * acc * (2.0 - 2.0 / (tl.exp(2.0 * z) + 1.0))
         tl.store(dst, acc.to(out.dtype.element_ty), mask=keep)
 
 
 def _launch(
-    a: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor, accumulate: bool
+    a: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    out: torch.Tensor,
+    accumulate: bool = False,
+    gelu: bool = False,
 ) -> None:
     n, k = weight.shape
     rows = a.numel() // k
@@ -75,7 +89,7 @@ def _launch(
     grid = (triton.cdiv(rows, 16), triton.cdiv(n, bn))
     _linear_kernel[grid](
         a, weight, out if bias is None else bias, out, rows, k, n,
-        HAS_BIAS=bias is not None, ACCUMULATE=accumulate, BM=16, BN=bn, BK=bk,
+        HAS_BIAS=bias is not None, ACCUMULATE=accumulate, GELU=gelu, BM=16, BN=bn, BK=bk,
         PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
         num_warps=4, **dependent_launch(a.device, grid[0] * grid[1]),
     )  # fmt: skip
@@ -102,9 +116,26 @@ def linear(a: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     _check("linear", a, weight)
     if _fits(a, weight, *([] if bias is None else [bias])):
         out = a.new_empty((*a.shape[:-1], weight.shape[0]))
-        _launch(a.contiguous(), weight.contiguous(), bias, out, accumulate=False)
+        _launch(a.contiguous(), weight.contiguous(), bias, out)
         return out
     return F.linear(a, weight, bias)
+
+
+def linear_gelu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """``gelu_tanh(x @ weight.T + bias)`` for ``x (..., k)``, ``weight (m, k)``, ``bias (m,)``.
+
+    On CUDA the GELU is taken on the float32 accumulator (rounded once; the reference rounds the
+    product, then the GELU): in this module's kernel over few rows, else in the epilogue of one
+    cuBLASLt matmul, so no pass over the (tokens x m) output runs apart from it."""
+    _check("linear_gelu", x, weight)
+    if _fits(x, weight, bias):
+        out = x.new_empty((*x.shape[:-1], weight.shape[0]))
+        _launch(x.contiguous(), weight.contiguous(), bias, out, gelu=True)
+        return out
+    if x.is_cuda and use_triton(x, weight, bias):  # cuBLASLt's bias + GELU (tanh) epilogue
+        out = torch._addmm_activation(bias, x.reshape(-1, x.shape[-1]), weight.t(), use_gelu=True)
+        return out.view(*x.shape[:-1], weight.shape[0])
+    return linear_gelu_reference(x, weight, bias)
 
 
 def add_matmul(x: torch.Tensor, a: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

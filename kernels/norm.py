@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.backend import tl, triton, use_triton
+from kernels.backend import dependent_launch, tl, triton, use_triton
 
 
 def add_rms_norm_reference(
@@ -37,12 +37,15 @@ def add_layer_norm_reference(
 
 
 if triton is not None:
+    from kernels.backend import inputs_ready
 
     @triton.jit
     def _add_norm_kernel(
         x, delta, weight, bias, h_out, y_out, rows, delta_rows, width, eps,
         HAS_DELTA: tl.constexpr, LAYER: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
+        GDC: tl.constexpr,
     ):  # fmt: skip
+        inputs_ready(GDC)
         row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
         cols = tl.arange(0, BLOCK)
         inside = cols[None, :] < width
@@ -76,7 +79,8 @@ def _add_norm_triton(
     if rows:
         block = triton.next_power_of_2(width)
         per_program = max(1, min(16, 2048 // block))  # short rows: several a program
-        _add_norm_kernel[(triton.cdiv(rows, per_program),)](
+        programs = triton.cdiv(rows, per_program)
+        _add_norm_kernel[(programs,)](
             x,
             x if delta is None else delta.contiguous(),
             weight,
@@ -92,6 +96,7 @@ def _add_norm_triton(
             ROWS=per_program,
             BLOCK=block,
             num_warps=4 if block <= 2048 else 8,
+            **dependent_launch(x.device, programs),
         )
     return h, y
 

@@ -168,7 +168,9 @@ class VisionBlock(nn.Module):
 
     The residual stream arrives as ``x + delta``, the previous block's MLP output not yet added:
     each add runs inside the norm kernel that reads its sum (so does the position embedding's,
-    in the first block).
+    in the first block). At a few frames every kernel is Triton (projections from
+    :mod:`kernels.matmul`, attention from :mod:`kernels.grouped_attention`), so inside a graph
+    each launches dependent; at many, cuBLAS and SDPA's fused kernels run.
     """
 
     def __init__(self, width: int, heads: int, mlp: int) -> None:
@@ -185,10 +187,11 @@ class VisionBlock(nn.Module):
         ``patches`` tokens."""
         n, t, w = x.shape
         x, h = layer_norm(self.norm1, x, delta)
-        q, k, v = self.qkv(h).view(n * t // patches, patches, 3, self.heads, w // self.heads).permute(2, 0, 3, 1, 4)
-        attn = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(n, t, w)
-        x, h = layer_norm(self.norm2, x, self.o(attn))
-        return x, self.fc2(linear_gelu(h, self.fc1.weight, self.fc1.bias))
+        qkv = linear(h, self.qkv.weight, self.qkv.bias)
+        q, k, v = qkv.view(n * t // patches, patches, 3, self.heads, w // self.heads).permute(2, 0, 3, 1, 4)
+        attn = attention(q, k, v, None).reshape(n, t, w)  # (N*C, P, heads, w/heads) -> (N, C*P, W)
+        x, h = layer_norm(self.norm2, x, linear(attn, self.o.weight, self.o.bias))
+        return x, linear(linear_gelu(h, self.fc1.weight, self.fc1.bias), self.fc2.weight, self.fc2.bias)
 
 
 def sincos(t: torch.Tensor, dim: int, min_period: float = 4e-3, max_period: float = 4.0) -> torch.Tensor:
@@ -292,11 +295,11 @@ class FlowPolicy(nn.Module):
         n, ps, g = image.shape[0], c.patch_size, c.image_size // c.patch_size
         x = image.to(self.dtype) * (2.0 / 255.0) - 1.0
         x = x.view(n * c.num_cameras, g, ps, g, ps, 3).permute(0, 1, 3, 2, 4, 5).reshape(n * c.num_cameras, g * g, -1)
-        x = self.patch_embed(x).view(n, c.num_cameras * c.patches, -1)  # (N, C*P, Wv)
+        x = linear(x, self.patch_embed.weight, self.patch_embed.bias).view(n, c.num_cameras * c.patches, -1)
         delta = self.vision_pos.view(c.num_cameras * c.patches, -1)  # added to every slot by the first norm
         for block in self.vision:
             x, delta = block(x, delta, c.patches)
-        x = self.projector(layer_norm(self.vision_norm, x, delta)[1])
+        x = linear(layer_norm(self.vision_norm, x, delta)[1], self.projector.weight, self.projector.bias)  # (N, C*P, D)
         return torch.cat([x, self.proprio_proj(proprio.to(self.dtype))[:, None]], dim=1)
 
     def encode_frame(

@@ -8,8 +8,7 @@ allocator blocks poisoned with NaN; outputs written into given views are pre-fil
 import pytest
 import torch
 
-from kernels import reference_only
-from kernels.activation import gelu_mul_reference, gelu_mul_triton, linear_gelu, linear_gelu_reference
+from kernels.activation import gelu_mul_reference, gelu_mul_triton
 from kernels.backend import sm_count
 from kernels.flow import euler_step_reference, euler_step_triton, time_embed_reference, time_embed_triton
 from kernels.grouped_attention import attention, attention_reference, attention_triton
@@ -72,23 +71,6 @@ def test_gelu_mul(device, m):
         gate_up = (2 * torch.randn(5, 3, 2 * m, device=device, generator=g)).to(dtype)
         poison_allocator(device)
         close(gelu_mul_triton(gate_up), gelu_mul_reference(gate_up), dtype)
-
-
-@pytest.mark.cuda
-@pytest.mark.parametrize("rows", [7, 4160])
-def test_linear_gelu_epilogue_matches_linear_then_gelu(rows):
-    """The cuBLASLt bias + GELU epilogue (tanh form) against linear, then GELU; a one-row batch
-    and one tensor-core tile wide are both covered by ``rows``."""
-    g = torch.Generator(device="cuda").manual_seed(rows)
-    for dtype in dtypes("cuda"):
-        x = torch.randn(rows // 7, 7, 256, device="cuda", generator=g).to(dtype)
-        w = (torch.randn(1024, 256, device="cuda", generator=g) / 16).to(dtype)
-        b = torch.randn(1024, device="cuda", generator=g).to(dtype)
-        got = linear_gelu(x, w, b)
-        assert got.shape == (rows // 7, 7, 1024) and got.dtype == dtype
-        close(got, linear_gelu_reference(x.float(), w.float(), b.float()), dtype)
-        with torch.no_grad(), reference_only():
-            assert torch.equal(linear_gelu(x, w, b), linear_gelu_reference(x, w, b))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -320,6 +302,45 @@ def test_attention_splits_the_keys_only_when_programs_are_few(device, monkeypatc
             f = lambda x: x.float()  # noqa: E731
             want = attention_reference(f(q), f(k), f(v), None, [(f(a), f(b), None) for a, b, _ in segments])
             close(got, want, dtype)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_attention_gives_few_query_rows_16_row_programs_over_one_key_block(device, monkeypatch):
+    """The expert's 32 query rows per slot (4 heads x 8 tokens over 89 keys) run as two 16-row
+    programs per slot, each over every key in one block, while the programs fit on half the SMs;
+    with more slots, one 32-row program per slot sweeps 64-key blocks. Both match the reference."""
+    import kernels.grouped_attention as ga
+
+    launches = spy_launches(monkeypatch, ga, "_attention_kernel")
+    g = torch.Generator(device=device).manual_seed(12)
+    many = sm_count(torch.device(device)) // 2 + 1
+    for n, grid in ((3, (2, 3, 1)), (many, (1, many, 1))):
+        rnd = lambda *s: torch.randn(*s, device=device, generator=g)  # noqa: E731
+        q, k, v = rnd(n, 8, 4, 64).transpose(1, 2), rnd(n, 1, 8, 64), rnd(n, 1, 8, 64)
+        text = torch.rand(n, 16, device=device, generator=g) < 0.7
+        segments = [(rnd(n, 1, 16, 64), rnd(n, 1, 16, 64), text), (rnd(n, 1, 65, 64), rnd(n, 1, 65, 64), None)]
+        launches.clear()
+        got = attention_triton(q, k, v, None, segments)
+        assert launches == [grid]
+        close(got, attention_reference(q, k, v, None, segments), torch.float32)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_plain_self_attention_takes_the_kernel_only_below_one_head_per_sm(device, monkeypatch):
+    """The vision tower's attention (no context, no mask) runs the kernel while slots x heads fit
+    on the SMs (where it launches dependent in a graph); beyond, SDPA's fused kernels."""
+    import kernels.grouped_attention as ga
+
+    if device == "cpu":  # the interpreter runs the kernel on CPU tensors, as on a GPU
+        monkeypatch.setattr(ga, "use_triton", lambda *tensors: True)
+    launches = spy_launches(monkeypatch, ga, "_attention_kernel")
+    g = torch.Generator(device=device).manual_seed(13)
+    fit = sm_count(torch.device(device)) // 4
+    for n, kernel in ((fit, True), (fit + 1, False)):
+        q, k, v = (torch.randn(n, 4, 8, 16, device=device, generator=g) for _ in range(3))
+        launches.clear()
+        close(attention(q, k, v, None), attention_reference(q, k, v, None), torch.float32)
+        assert bool(launches) == kernel
 
 
 def test_attention_names_the_segment_that_does_not_fit():

@@ -5,8 +5,8 @@ import torch
 import torch.nn.functional as F
 
 import kernels.matmul as kl
-from kernels import add_matmul, linear
-from kernels.matmul import add_matmul_reference
+from kernels import add_layer_norm, add_matmul, linear, linear_gelu, reference_only
+from kernels.matmul import add_matmul_reference, linear_gelu_reference
 from tests.kernels.kernel_devices import DEVICES, close, dtypes, poison_allocator, spy_launches
 
 
@@ -65,6 +65,33 @@ def test_linear_takes_the_kernel_only_for_few_narrow_rows(device, triton_on_cpu,
     assert not launches
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(("rows_shape", "kernel"), [((1, 64), True), ((3, 7), True), ((4, 65), False)])
+def test_linear_gelu_matches_linear_then_gelu(device, rows_shape, kernel, triton_on_cpu, monkeypatch):
+    """GELU (tanh form) on the float32 accumulator against linear, then GELU: the vision MLP's
+    fc1 at one frame and ragged rows take the few-row kernel; more rows than MAX_ROWS take
+    cuBLASLt's epilogue on the GPU (the reference in the interpreter)."""
+    launches = spy_launches(monkeypatch, kl, "_linear_kernel")
+    g = torch.Generator(device=device).manual_seed(rows_shape[1])
+    for dtype in dtypes(device):
+        a, w, b = inputs(device, dtype, g, rows_shape, 256, 1024)
+        poison_allocator(device)
+        got = kl.linear_gelu(a, w, b)
+        assert got.shape == (*rows_shape, 1024) and got.dtype == dtype
+        close(got, linear_gelu_reference(a.float(), w.float(), b.float()), dtype)
+    assert len(launches) == (len(dtypes(device)) if kernel else 0)
+
+
+@pytest.mark.cuda
+def test_linear_gelu_over_many_rows_is_cublaslt_epilogue_and_reference_is_exact():
+    g = torch.Generator(device="cuda").manual_seed(4160)
+    for dtype in dtypes("cuda"):
+        a, w, b = inputs("cuda", dtype, g, (595, 7), 256, 1024)
+        close(linear_gelu(a, w, b), linear_gelu_reference(a.float(), w.float(), b.float()), dtype)
+        with torch.no_grad(), reference_only():
+            assert torch.equal(linear_gelu(a, w, b), linear_gelu_reference(a, w, b))
+
+
 def test_add_matmul_accumulates_in_place_only_outside_autograd():
     x, a, w = torch.randn(2, 3, 4), torch.randn(2, 3, 5), torch.randn(4, 5, requires_grad=True)
     want = x + a @ w.detach().T
@@ -92,29 +119,34 @@ def test_linear_names_the_mismatched_weight():
 
 @pytest.mark.cuda
 def test_dependent_launches_in_a_graph_replay_the_eager_chain(monkeypatch):
-    """A chain of 60 few-row projections, each reading the last one's output and writing the
-    residual the next reads: inside a capture each launch is dependent (it starts before the one
-    ahead finishes and loads its weight first); replayed, the chain gives the eager bytes. A
-    dependent launch that read its input or wrote before the wait would race and differ."""
+    """A chain of 30 MLP blocks (LayerNorm, projection + GELU, projection accumulated onto the
+    residual), each kernel reading the last one's output: inside a capture each launch is
+    dependent (it starts before the one ahead finishes and loads its weight first); replayed, the
+    chain gives the eager bytes. A dependent launch that read its input or wrote before the wait
+    would race and differ."""
+    import kernels.norm as kn
     from kernels.backend import grid_dependency
 
     if not grid_dependency(torch.device("cuda")):
         pytest.skip("programmatic dependent launch needs compute capability 9.0 and Triton 3.4")
     launches = spy_launches(monkeypatch, kl, "_linear_kernel")
+    norms = spy_launches(monkeypatch, kn, "_add_norm_kernel")
     g = torch.Generator(device="cuda").manual_seed(0)
     weights = [inputs("cuda", torch.bfloat16, g, (1,), 192, 768)[1:] for _ in range(30)]
     downs = [inputs("cuda", torch.bfloat16, g, (1,), 768, 192)[1] for _ in range(30)]
+    ln = torch.randn(2, 192, device="cuda", generator=g) * 0.1
+    ln_w, ln_b = (ln[0] + 1).to(torch.bfloat16), ln[1].to(torch.bfloat16)
     x0 = torch.randn(8, 192, device="cuda", generator=g).to(torch.bfloat16)
     x = torch.empty_like(x0)
 
     def chain() -> None:
         x.copy_(x0)
         for (w, b), down in zip(weights, downs, strict=True):
-            add_matmul(x, linear(x, w, b), down)
+            add_matmul(x, linear_gelu(add_layer_norm(x, None, ln_w, ln_b)[1], w, b), down)
 
     chain()
     eager = x.clone()
-    assert not any(launches.dependent)
+    assert not any(launches.dependent) and not any(norms.dependent) and len(norms) == 30
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -123,9 +155,11 @@ def test_dependent_launches_in_a_graph_replay_the_eager_chain(monkeypatch):
     graph = torch.cuda.CUDAGraph()
     launches.clear()
     launches.dependent.clear()
+    norms.dependent.clear()
     with torch.cuda.graph(graph):
         chain()
     assert len(launches.dependent) == 60 and all(launches.dependent)
+    assert len(norms.dependent) == 30 and all(norms.dependent)
     for _ in range(20):
         x.zero_()
         graph.replay()
