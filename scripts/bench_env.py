@@ -4,7 +4,8 @@
   kernels, the same graph with every kernel's torch reference (the "before"), the env stepped
   eagerly, and ``gymnasium.vector.SyncVectorEnv`` of single envs; the step program alone
   (graph replay) beside the same program under ``torch.compile(mode="reduce-overhead")``; and
-  the kernel count of one step (kernels vs references);
+  the kernel count of one step (kernels vs references), and where one replay's time goes
+  (each kernel's marginal time);
 - reset latency: a capsule reset (restore pre-encoded starts) beside the cold path (simulator
   init + render + instruction prefill + encode) as the instruction context grows (random
   weights with ``max_text_len`` tokens, of the tiny shape and with pi0's wide language prefix
@@ -28,7 +29,7 @@ from pathlib import Path
 import gymnasium as gym
 import numpy as np
 import torch
-from benchlib import count_kernels, provenance, top_kernels, wall_ms
+from benchlib import count_kernels, graph_kernels, provenance, top_kernels, wall_ms
 
 import kernels
 import runtime
@@ -57,6 +58,7 @@ def bench_steps(
             row[f"{name}_steps_per_s"] = n / row[f"{name}_ms"] * 1e3
             if graphs and not reference:
                 row["program_graph_ms"] = wall_ms(lambda env=env: env._graph.replay(env._key), reps)
+                row["graph_top_kernels"] = graph_kernels(lambda env=env: env._graph.replay(env._key))
             del env
             torch.cuda.empty_cache()
         rows.append(row)
@@ -181,7 +183,15 @@ def main() -> None:
     args.out.write_text(json.dumps(result, indent=2))
     print(f"\n{result['gpu']} | torch {result['torch']} | commit {result['commit']}  (median ms, wall, synchronous)")
     for r in result["steps"]:
-        print("  steps", {k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()})
+        print(
+            "  steps", {k: round(v, 3) if isinstance(v, float) else v for k, v in r.items() if k != "graph_top_kernels"}
+        )
+        if "graph_top_kernels" in r:
+            top = r["graph_top_kernels"]["top"][:4]
+            print(
+                "    in the graph (us marginal, calls):",
+                [(k["kernel"][:40], k["marginal_us"], k["calls"]) for k in top],
+            )
     print("  nodes", {k: round(v, 3) if isinstance(v, float) else v for k, v in result["nodes"].items()})
     for r in result["reset"]:
         print("  reset", {k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()})

@@ -17,7 +17,9 @@ run:
   the prefix keys/values read per Euler step) over the measured copy bandwidth; its FLOPs (torch's
   flop counter over the reference step) over the measured bf16 matrix rate; and its kernel count
   times the measured replay cost of one graph node;
-- where the time goes: the step's kernels by total GPU time (one eager call, kernels on).
+- where the time goes: the step's kernels by total GPU time (one eager call, kernels on), and
+  inside one replay of the kernels graph by marginal time (what each adds to the chain when
+  dependent launches overlap).
 
     python scripts/bench_policy.py --out bench_policy.json
 """
@@ -32,7 +34,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from benchlib import count_kernels, gpu_rates, provenance, top_kernels, wall_ms
+from benchlib import count_kernels, gpu_rates, graph_kernels, provenance, top_kernels, wall_ms
 from torch.utils.flop_counter import FlopCounterMode
 
 import kernels
@@ -154,6 +156,8 @@ def bench(preset: str, n: int, reps: int, do_compile: bool, rates: dict) -> dict
             torch.cuda.synchronize()
             rec[f"{name}_capture_s"] = time.perf_counter() - t
         rec[f"{name}_graph_ms"] = wall_ms(lambda g=g: g.replay(n), reps)
+        if name == "kernels":
+            rec["graph_top_kernels"] = graph_kernels(lambda g=g: g.replay(n))
         del g
     rec["graph_chunks_per_s"] = n / rec["kernels_graph_ms"] * 1e3
     rec.update(floors(model, p, n, step, rates))
@@ -211,9 +215,9 @@ def main() -> None:
             f"{r['launch_floor_ms']:.3f} | {r['graph_chunks_per_s']:9.0f}"
         )
     for r in rows:
-        print(f"top kernels, {r['preset']} batch {r['batch']} (us total, calls):")
-        for k in r["top_kernels"][:6]:
-            print(f"  {k['total_us']:9.1f} {k['calls']:5d}  {k['kernel']}")
+        print(f"top kernels in the graph, {r['preset']} batch {r['batch']} (us marginal, us busy, calls):")
+        for k in r["graph_top_kernels"]["top"][:6]:
+            print(f"  {k['marginal_us']:9.1f} {k['busy_us']:9.1f} {k['calls']:5d}  {k['kernel']}")
     print(f"wrote {args.out}")
 
 

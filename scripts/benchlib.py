@@ -1,7 +1,8 @@
 """What the benchmark scripts share: the two timers (CUDA events per call for copies measured
 in microseconds, wall clock around a synchronised call for whole steps), the kernel count of a
-step, the GPU's measured rates that floors are computed from, and the provenance every result
-file records (GPU, torch, Python, commit)."""
+step, where its time goes (eager, and inside a graph replay), the GPU's measured rates that
+floors are computed from, and the provenance every result file records (GPU, torch, Python,
+commit)."""
 
 from __future__ import annotations
 
@@ -71,6 +72,30 @@ def top_kernels(fn: Callable[[], object], top: int = 10) -> list[dict]:
         row[1] += 1
     rows = sorted(agg.items(), key=lambda kv: -kv[1][0])[:top]
     return [{"kernel": k, "total_us": round(v[0], 1), "calls": int(v[1])} for k, v in rows]
+
+
+def graph_kernels(replay: Callable[[], object], top: int = 10) -> dict:
+    """Where one replay of a captured graph spends its time. Kernels launched dependent start
+    before the kernel ahead of them ends, so their durations add up to more than the replay;
+    each is charged its marginal time instead, its end minus the latest end before it (the
+    marginal times add up to the replay's span). Kernels by name, largest marginal total first."""
+    events = sorted(_gpu_events(replay), key=lambda e: e.time_range.start)
+    agg: dict[str, list[float]] = {}
+    last_end = events[0].time_range.start
+    for e in events:
+        row = agg.setdefault(e.name[:80], [0.0, 0.0, 0])
+        row[0] += max(0.0, e.time_range.end - last_end)
+        row[1] += e.time_range.elapsed_us()
+        row[2] += 1
+        last_end = max(last_end, e.time_range.end)
+    rows = sorted(agg.items(), key=lambda kv: -kv[1][0])[:top]
+    return {
+        "span_us": round(last_end - events[0].time_range.start, 1),
+        "kernels": len(events),
+        "top": [
+            {"kernel": k, "marginal_us": round(v[0], 1), "busy_us": round(v[1], 1), "calls": int(v[2])} for k, v in rows
+        ],
+    }
 
 
 def gpu_rates() -> dict[str, float]:
