@@ -15,10 +15,10 @@ before and after). With few query rows (a group of at most 32) and few slots, th
 split into 16-row programs, so the group's heads run on separate SMs, and each reads all its
 keys (up to a 32 KB block) at once. With few programs and many key blocks (pi0's expert at one
 slot: 13 programs, 28 blocks each) the keys are split over more programs, whose softmax states a
-second kernel merges. With 3 or more key blocks after the last per-token-masked source, those blocks are
-swept by a second loop without mask loads, and a mask that is one flag per slot (an expanded
-``(N, 1)``, stride 0) is read once per program rather than per key. Products run on tensor cores in
-the inputs' dtype (bf16), in full float32 for float32 inputs. The output is written as
+second kernel merges. With 3 or more key blocks after the last per-token-masked source, those
+blocks are swept by a second loop without mask loads, and a mask that is one flag per slot (an
+expanded ``(N, 1)``, stride 0) is read once per program rather than per key. Products run on
+tensor cores in the inputs' dtype (bf16), in full float32 for float32 inputs. The output is written as
 ``(N, Tq, h, d)``: the layout the output projection reads. Rows with every key masked out
 return zeros (SDPA: NaN).
 """
@@ -273,19 +273,18 @@ def attention_triton(
         args += [sk, sv, m8, *([start] if i else []), *sk.stride()[:3], *sv.stride()[:3], *sm_strides]
         start += sk.shape[2] if real else 0
     group = h // g
-    bm = max(16, min(64 if d <= 128 else 32, triton.next_power_of_2(group * tq)))
-    grid = (triton.cdiv(group * tq, bm), n * g)
-    bn, warps, stages = (128 if d <= 64 and bm > 32 else 64, 4, 3) if d <= 128 else (32, 8, 3)  # few programs
     sms, one_block = sm_count(q.device), max(16, triton.next_power_of_2(start))
-    if d <= 64 and grid[0] * grid[1] >= sms:  # throughput-bound: many programs
-        bn, warps = 32, 2 if bm <= 32 else 4  # the fastest launch shape at 1024 and 4096 slots on an H200
-    elif group * tq <= 32 and 2 * grid[1] <= sms and one_block * d * q.element_size() <= 32768:
+    bm = max(16, min(64 if d <= 128 else 32, triton.next_power_of_2(group * tq)))
+    bn, warps, stages = (128 if d <= 64 and bm > 32 else 64, 4, 3) if d <= 128 else (32, 8, 3)  # few programs
+    if group * tq <= 32 and 2 * n * g <= sms and one_block * d * q.element_size() <= 32768:
         # Few query rows (tiny's expert at up to 64 slots): 16-row programs, so a group's heads run
         # on separate SMs, each reading every key in one block of at most 32 KB (nothing to
         # pipeline). 4.8 against 6.5 us a call at one slot in a captured chain of dependent
         # launches on an H200 (docs/PERFORMANCE.md).
         bm, bn, stages = 16, one_block, 1
-        grid = (triton.cdiv(group * tq, bm), n * g)
+    elif d <= 64 and triton.cdiv(group * tq, bm) * n * g >= sms:  # throughput-bound: many programs
+        bn, warps = 32, 2 if bm <= 32 else 4  # the fastest launch shape at 1024 and 4096 slots on an H200
+    grid = (triton.cdiv(group * tq, bm), n * g)
     rows = [x for src in sources for x in src[:2]]
     aligned = all(
         x.data_ptr() % 16 == 0 and all(st * x.element_size() % 16 == 0 for st in x.stride()[:3]) for x in rows
