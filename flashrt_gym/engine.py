@@ -128,12 +128,10 @@ class Engine:
         actions = b["policy.actions"]
         if residual is not None:
             actions = (actions + residual).clamp(-1.0, 1.0)
-        dense, sparse = task.run_ticks(b, actions[:, : self.n_action_steps])
-        b["env.reward_dense"].copy_(dense)
-        b["env.reward_sparse"].copy_(sparse)
+        task.run_ticks(b, actions[:, : self.n_action_steps], out=(b["env.reward_dense"], b["env.reward_sparse"]))
         b["env.steps"].add_(1)
         b["env.terminated"].copy_(b["sim.success"])
-        b["env.truncated"].copy_((b["env.steps"] >= self.max_episode_steps) & ~b["sim.success"])
+        torch.bitwise_and(b["env.steps"] >= self.max_episode_steps, ~b["sim.success"], out=b["env.truncated"])
         self.observe()
 
     def capture(self, draw_noise: bool = False) -> Callable[[], None]:

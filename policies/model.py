@@ -320,7 +320,7 @@ class FlowPolicy(nn.Module):
             out = None if kv is None else kv[:, i]
             x, k, v = layer(x, pos0, self.inv_freq, layer_segments(context, i), kv_out=out)
             kvs.append((k, v))
-        return self._stack(kv, kvs), self.prefix_norm(x).float().mean(1)
+        return self._stack(kv, kvs), self.prefix_norm(x).mean(1, dtype=torch.float32)
 
     # -- action expert -------------------------------------------------------------------------
     def velocity(

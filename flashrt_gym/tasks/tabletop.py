@@ -193,6 +193,14 @@ class Tabletop:
             shapes = [SHAPES.index(o.split()[1]) for o in cfg.objects]
             self._consts[device] = {
                 "combos": torch.tensor(self._combos_all, dtype=torch.int64, device=device),
+                # per instruction: the target's one-hot over objects, then the goal's over goals
+                "onehots": torch.cat(
+                    [
+                        torch.eye(self.num_objects)[[o for o, _ in self._combos_all]],
+                        torch.eye(len(cfg.goals))[[g for _, g in self._combos_all]],
+                    ],
+                    dim=1,
+                ).to(device),
                 "split": torch.tensor(self._split, dtype=torch.int64, device=device),
                 "goals": torch.tensor([GOALS[g] for g in cfg.goals], dtype=torch.float32, device=device),
                 "pix": torch.stack([xs, ys], -1).to(device),  # (H, W, 2)
@@ -290,19 +298,26 @@ class Tabletop:
         sparse = torch.where(alive & ~success, -1.0, 0.0)
         return dense, sparse
 
-    def run_ticks(self, b: BufferSet, actions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def run_ticks(
+        self, b: BufferSet, actions: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Advance every slot ``T`` ticks under ``actions (slots, T, 2)``; returns the summed
-        (dense, sparse) rewards, each (slots,). One Triton launch on CUDA
-        (:mod:`flashrt_gym.tasks.tabletop_kernels`), :meth:`step` per tick elsewhere."""
-        if use_triton(b["sim.ee"], actions) and actions.stride(-1) == 1:
-            return ticks_triton(self, b, actions)
+        (dense, sparse) rewards, each (slots,), written into ``out`` (two float32 (slots,)
+        tensors) when given. One Triton launch on CUDA (:mod:`flashrt_gym.tasks.tabletop_kernels`),
+        :meth:`step` per tick elsewhere."""
+        if out is not None and any(o.shape != (b.num_slots,) or o.dtype != torch.float32 for o in out):
+            raise ValueError(f"run_ticks: out must be two float32 ({b.num_slots},) tensors")
+        if use_triton(b["sim.ee"], actions, *(out or ())) and actions.stride(-1) == 1:
+            return ticks_triton(self, b, actions, out)
         dense = torch.zeros(b.num_slots, device=b.device)
         sparse = torch.zeros(b.num_slots, device=b.device)
         for t in range(actions.shape[1]):
             d, s = self.step(b, actions[:, t])
             dense = dense + d
             sparse = sparse + s
-        return dense, sparse
+        if out is None:
+            return dense, sparse
+        return out[0].copy_(dense), out[1].copy_(sparse)
 
     def _distances(self, b: BufferSet) -> tuple[torch.Tensor, torch.Tensor]:
         """Target object to its goal centre, and end-effector to the target's contact ring."""
@@ -357,18 +372,13 @@ class Tabletop:
         """(slots, 2) end-effector position: the policy's proprioceptive input."""
         return b["sim.ee"]
 
-    def state(self, b: BufferSet) -> torch.Tensor:
-        """(slots, state_dim) float32 low-dimensional observation."""
-        target, goal = self.target_and_goal(b)
-        return torch.cat(
-            [
-                b["sim.ee"],
-                b["sim.obj"].reshape(b.num_slots, -1),
-                torch.nn.functional.one_hot(target, self.num_objects).float(),
-                torch.nn.functional.one_hot(goal, len(self.cfg.goals)).float(),
-            ],
-            dim=1,
-        )
+    def state(self, b: BufferSet, out: torch.Tensor | None = None) -> torch.Tensor:
+        """(slots, state_dim) float32 low-dimensional observation: end effector, objects, and the
+        instruction's target and goal one-hot (looked up per instruction: two kernels in all),
+        written into ``out`` when given."""
+        onehots = self._c(b.device)["onehots"][b["sim.instruction"]]
+        parts = [b["sim.ee"], b["sim.obj"].reshape(b.num_slots, -1), onehots]
+        return torch.cat(parts, dim=1) if out is None else torch.cat(parts, dim=1, out=out)
 
     # -- scripted expert -----------------------------------------------------------------------
     def expert(self, b: BufferSet) -> torch.Tensor:

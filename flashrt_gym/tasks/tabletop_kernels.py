@@ -58,7 +58,7 @@ if triton is not None:
     @triton.jit
     def _ticks_kernel(
         ee, obj, vel, success, tick, instruction, actions, combos, goals, dense_out, sparse_out,
-        n, s_ee, s_obj, s_vel, s_succ, s_tick, s_inst, s_an, s_at, T,
+        n, s_ee, s_obj, s_vel, s_succ, s_tick, s_inst, s_an, s_at, s_dense, s_sparse, T,
         K: tl.constexpr, KP: tl.constexpr, SUBSTEPS: tl.constexpr, ITERS: tl.constexpr,
         EE_R: tl.constexpr, OBJ_R: tl.constexpr, GOAL_R: tl.constexpr, SPEED: tl.constexpr,
         FRICTION: tl.constexpr, BLOCK: tl.constexpr,
@@ -123,8 +123,8 @@ if triton is not None:
         tl.store(ptr_v + 1, vy, mask=m2)
         tl.store(success + r * s_succ, done.to(tl.int8), mask=live)
         tl.store(tick + r * s_tick, ticks, mask=live)
-        tl.store(dense_out + r, dense, mask=live)
-        tl.store(sparse_out + r, sparse, mask=live)
+        tl.store(dense_out + r * s_dense, dense, mask=live)
+        tl.store(sparse_out + r * s_sparse, sparse, mask=live)
 
     @triton.jit
     def _render_kernel(
@@ -186,11 +186,13 @@ def _ticks_launch(n: int, device: torch.device) -> tuple[int, int]:
     return (2, 1) if triton.cdiv(n, 2) <= sm_count(device) else (16, 4)
 
 
-def ticks_triton(task: Tabletop, b: BufferSet, actions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every tick of ``actions (slots, T, 2)`` in one launch; returns the summed (dense, sparse)."""
+def ticks_triton(
+    task: Tabletop, b: BufferSet, actions: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor] | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every tick of ``actions (slots, T, 2)`` in one launch; returns the summed (dense, sparse),
+    written into ``out`` (two float32 ``(slots,)`` views, any stride) when given."""
     cfg, c, n = task.cfg, task._c(b.device), b.num_slots
-    dense = torch.empty(n, device=b.device)
-    sparse = torch.empty(n, device=b.device)
+    dense, sparse = out if out is not None else (torch.empty(n, device=b.device), torch.empty(n, device=b.device))
     if n == 0:
         return dense, sparse
     ee, obj, vel = b["sim.ee"], b["sim.obj"], b["sim.obj_vel"]
@@ -199,7 +201,7 @@ def ticks_triton(task: Tabletop, b: BufferSet, actions: torch.Tensor) -> tuple[t
     _ticks_kernel[(triton.cdiv(n, block),)](
         ee, obj, vel, success, tick, inst, actions, c["combos"], c["goals"], dense, sparse,
         n, ee.stride(0), obj.stride(0), vel.stride(0), success.stride(0), tick.stride(0), inst.stride(0),
-        actions.stride(0), actions.stride(1), actions.shape[1],
+        actions.stride(0), actions.stride(1), dense.stride(0), sparse.stride(0), actions.shape[1],
         K=task.num_objects, KP=triton.next_power_of_2(task.num_objects), SUBSTEPS=cfg.substeps, ITERS=cfg.contact_iters,
         EE_R=cfg.ee_radius, OBJ_R=cfg.obj_radius, GOAL_R=cfg.goal_radius, SPEED=cfg.max_speed,
         FRICTION=cfg.friction, BLOCK=block, num_warps=warps,

@@ -46,6 +46,27 @@ def test_same_seed_same_rollout_other_seed_other_rollout():
     assert not torch.equal(b1["sim.obj"], b3["sim.obj"])
 
 
+def test_run_ticks_writes_its_rewards_into_given_views_and_state_matches_its_parts():
+    """The chunk's summed rewards land in ``out`` (views of a wider buffer) exactly as returned
+    without it; a wrong ``out`` is refused before any tick runs. ``state`` is end effector,
+    objects and the instruction's target and goal one-hot, also written into ``out``."""
+    (t1, b1), (t2, b2) = make(8, seed=5), make(8, seed=5)
+    actions = torch.rand(8, 4, 2, generator=torch.Generator().manual_seed(2)) * 2 - 1
+    want = t1.run_ticks(b1, actions)
+    rewards = torch.full((8, 3), float("nan"))
+    got = t2.run_ticks(b2, actions, out=(rewards[:, 0], rewards[:, 2]))
+    assert got[0].data_ptr() == rewards.data_ptr() and rewards[:, 1].isnan().all()
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    before = b2.slot_arena.clone()
+    with pytest.raises(ValueError, match="out must be two float32 \\(8,\\) tensors"):
+        t2.run_ticks(b2, actions, out=(rewards[:4, 0], rewards[:4, 2]))
+    assert torch.equal(b2.slot_arena, before)
+    target, goal = t1.target_and_goal(b1)
+    parts = [b1["sim.ee"], b1["sim.obj"].flatten(1), torch.eye(3)[target], torch.eye(len(t1.cfg.goals))[goal]]
+    out = torch.empty(8, t1.state_dim)
+    assert torch.equal(t1.state(b1, out=out), torch.cat(parts, 1)) and torch.equal(out, torch.cat(parts, 1))
+
+
 def test_render_shape_dtype_range_and_colours_where_objects_are():
     task, b = make(8, image_size=64)
     img = task.render(b)

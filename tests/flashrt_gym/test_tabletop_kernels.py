@@ -35,7 +35,9 @@ def test_chunk_of_ticks_matches_the_reference(device, objects, n):
     actions = (1.5 * torch.randn(n, 8, 2, device=device, generator=g))[:, :5]  # strided, some beyond [-1, 1]
     ref = BufferSet(task.specs(), n, device)
     ref.slot_arena.copy_(b.slot_arena)
-    dense, sparse = ticks_triton(task, b, actions)
+    rewards = torch.full((n, 3), float("nan"), device=device)  # written into strided views
+    dense, sparse = ticks_triton(task, b, actions, out=(rewards[:, 0], rewards[:, 2]))
+    assert dense.data_ptr() == rewards.data_ptr() and rewards[:, 1].isnan().all()
     dense_ref = torch.zeros(n, device=device)
     sparse_ref = torch.zeros(n, device=device)
     for t in range(5):
