@@ -272,21 +272,15 @@ def attention_triton(
         sm_strides = (0, 0) if sm is None else m8.stride()
         args += [sk, sv, m8, *([start] if i else []), *sk.stride()[:3], *sv.stride()[:3], *sm_strides]
         start += sk.shape[2] if real else 0
-    group, per_block = h // g, False
+    group = h // g
     sms, one_block = sm_count(q.device), max(16, triton.next_power_of_2(start))
     bm = max(16, min(64 if d <= 128 else 32, triton.next_power_of_2(group * tq)))
     bn, warps, stages = (128 if d <= 64 and bm > 32 else 64, 4, 3) if d <= 128 else (32, 8, 3)  # few programs
-    few_rows = group * tq <= 32 and 2 * n * g <= sms  # tiny's expert at up to 64 slots: 16-row programs
-    if few_rows and start > 128 and 2 * n * g * triton.cdiv(start, 64) <= sms:
-        # Few query rows over three 64-key blocks or more, while a program per block fits: each
-        # block is a program of its own (a group's heads on separate SMs too) and the merge kernel
-        # sums their softmax states. 4.45 against 4.80 us a call for one block of every key at one
-        # slot, 4.63 against 4.96 at 16, in a captured chain of dependent launches on an H200.
-        bm, bn, per_block = 16, 64, True
-    elif few_rows and one_block * d * q.element_size() <= 32768:
-        # Few query rows otherwise: 16-row programs, each reading every key in one block of at
-        # most 32 KB (nothing to pipeline): 4.8 against 6.5 us a call for 32-row programs over
-        # 64-key blocks at one slot (docs/PERFORMANCE.md).
+    if group * tq <= 32 and 2 * n * g <= sms and one_block * d * q.element_size() <= 32768:
+        # Few query rows (tiny's expert at up to 64 slots): 16-row programs, so a group's heads run
+        # on separate SMs, each reading every key in one block of at most 32 KB (nothing to
+        # pipeline). 4.8 against 6.5 us a call at one slot in a captured chain of dependent
+        # launches on an H200 (docs/PERFORMANCE.md).
         bm, bn, stages = 16, one_block, 1
     elif d <= 64 and triton.cdiv(group * tq, bm) * n * g >= sms:  # throughput-bound: many programs
         bn, warps = 32, 2 if bm <= 32 else 4  # the fastest launch shape at 1024 and 4096 slots on an H200
@@ -305,7 +299,6 @@ def attention_triton(
     if not two_loops:
         tokens, flags = tokens | flags, 0
     splits = min(blocks // 4, sms // programs) if 2 * programs <= sms and blocks >= 8 else 1
-    splits = blocks if per_block else splits
     chunk = triton.cdiv(max(blocks, 1), splits) * bn
     splits = triton.cdiv(start, chunk)
     part = out if splits == 1 else q.new_empty((splits, grid[1], grid[0] * bm, d + 2), dtype=torch.float32)
