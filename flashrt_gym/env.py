@@ -197,7 +197,7 @@ class FlashRTVectorEnv(VectorEnv):
         b, n = self.bufs, self.num_envs
         a = b["env.action"].view(n, self.horizon, self.action_dim)
         if self.action_mode == "noise":
-            b["policy.noise"].copy_(a * self.noise_bound)
+            torch.mul(a, self.noise_bound, out=b["policy.noise"])
             self.engine.step()
         else:
             self.engine.step(draw_noise=True, residual=a * self.residual_scale)
