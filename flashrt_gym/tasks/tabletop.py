@@ -377,8 +377,7 @@ class Tabletop:
         instruction's target and goal one-hot (looked up per instruction: two kernels in all),
         written into ``out`` when given."""
         onehots = self._c(b.device)["onehots"][b["sim.instruction"]]
-        parts = [b["sim.ee"], b["sim.obj"].reshape(b.num_slots, -1), onehots]
-        return torch.cat(parts, dim=1) if out is None else torch.cat(parts, dim=1, out=out)
+        return torch.cat([b["sim.ee"], b["sim.obj"].reshape(b.num_slots, -1), onehots], dim=1, out=out)
 
     # -- scripted expert -----------------------------------------------------------------------
     def expert(self, b: BufferSet) -> torch.Tensor:
