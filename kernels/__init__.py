@@ -14,7 +14,7 @@ module                           kernels
 ``kernels.norm_linear``          RMSNorm + projection + its consumer (rotary split, or GeGLU) in one pass
 ``kernels.matmul``               few-row projection: plain, + GELU, or accumulated onto the residual in place
 ``kernels.grouped_attention``    grouped-query attention over context segments and own keys, read in place
-``kernels.flow``                 Euler update, folded time embedding and time MLP output: one kernel at few rows
+``kernels.flow``                 folded time embedding, and final norm + output projection + Euler update
 ``kernels.rng``                  per-slot counter-based Gaussian noise (draw + counter bump)
 ``kernels.slot_copy``            masked row copy / gather (restore, autoreset) and row scatter (fork)
 ===============================  ========================================================================
@@ -22,7 +22,7 @@ module                           kernels
 
 from kernels.activation import gelu_mul
 from kernels.backend import implementation, reference_only, use_triton
-from kernels.flow import euler_step, flow_input, time_embed
+from kernels.flow import euler_step, time_embed
 from kernels.grouped_attention import attention
 from kernels.matmul import add_matmul, linear, linear_gelu
 from kernels.norm import add_layer_norm, add_rms_norm
@@ -40,7 +40,6 @@ __all__ = [
     "attention",
     "draw_normal_",
     "euler_step",
-    "flow_input",
     "gelu_mul",
     "implementation",
     "linear",

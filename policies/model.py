@@ -32,11 +32,11 @@ from kernels import (
     add_rms_norm,
     attention,
     euler_step,
-    flow_input,
     linear,
     linear_gelu,
     rms_norm_geglu,
     rms_norm_qkv_rope,
+    time_embed,
 )
 from kernels.grouped_attention import Segment
 from policies.config import PolicyConfig
@@ -361,19 +361,16 @@ class FlowPolicy(nn.Module):
     def sample(self, noise: torch.Tensor, prefix: Prefix, frame: torch.Tensor) -> torch.Tensor:
         """Euler integration from noise (t = 1) to actions (t = 0): (N, H, A) float32.
 
-        Per step: the previous step's update (final norm, output projection, ``x <- x - v /
-        steps``), the folded time embedding and time_out in one kernel, then the expert's layers;
-        after the last step, the last update."""
+        Per step: folded time embedding, time_out, the expert's layers, then one kernel for the
+        final norm, output projection and update ``x <- x - v / steps``."""
         wx, bias, w_out, b_out = self._flow.get()
         x = noise.float().contiguous()
         pos0 = self.frame_start(frame + 1)
-        w2, b2, norm = self.time_out.weight, self.time_out.bias, self.expert_norm
-        h = None
         for s in range(self.cfg.steps):
-            update = None if h is None else (h, norm.weight, w_out, b_out, norm.eps)
-            x, h = flow_input(x, wx, bias[s], w2, b2, update)
-            h = self._expert_layers(h, prefix, pos0)
-        return euler_step(x, h, norm.weight, w_out, b_out, norm.eps)
+            h = time_embed(x, wx, bias[s], self.dtype)
+            h = self._expert_layers(linear(h, self.time_out.weight, self.time_out.bias), prefix, pos0)
+            x = euler_step(x, h, self.expert_norm.weight, w_out, b_out, self.expert_norm.eps)
+        return x
 
     # -- training ------------------------------------------------------------------------------
     def loss(self, batch: dict[str, torch.Tensor], generator: torch.Generator | None = None) -> torch.Tensor:

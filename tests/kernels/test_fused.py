@@ -10,15 +10,7 @@ import torch
 
 from kernels.activation import gelu_mul_reference, gelu_mul_triton
 from kernels.backend import sm_count
-from kernels.flow import (
-    euler_step_reference,
-    euler_step_triton,
-    flow_input,
-    flow_input_reference,
-    flow_input_triton,
-    time_embed_reference,
-    time_embed_triton,
-)
+from kernels.flow import euler_step_reference, euler_step_triton, time_embed_reference, time_embed_triton
 from kernels.grouped_attention import attention, attention_reference, attention_triton
 from kernels.norm import (
     add_layer_norm,
@@ -379,70 +371,6 @@ def test_time_embed_and_euler_step(device, a, e):
         poison_allocator(device)
         got = euler_step_triton(x, h, nw, w_out, b_out, 1e-6)
         close(got, euler_step_reference(x, h, nw, w_out, b_out, 1e-6), torch.float32, scale=10)
-
-
-def flow_inputs(device, g, n, a, e, dtype):
-    """Actions, folded time weights, the time MLP's output layer and an Euler update's inputs."""
-    x = torch.randn(n, 8, a, device=device, generator=g)
-    wx, bias = torch.randn(e, a, device=device, generator=g), torch.randn(e, device=device, generator=g)
-    w2 = (torch.randn(e, e, device=device, generator=g) / e**0.5).to(dtype)
-    b2 = torch.randn(e, device=device, generator=g).to(dtype)
-    h = torch.randn(n, 8, e, device=device, generator=g).to(dtype)
-    nw = (1 + 0.1 * torch.randn(e, device=device, generator=g)).to(dtype)
-    w_out, b_out = 0.05 * torch.randn(a, e, device=device, generator=g), torch.randn(a, device=device, generator=g)
-    return x, wx, bias, w2, b2, (h, nw, w_out, b_out, 1e-6)
-
-
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize(("n", "a", "e"), [(1, 2, 192), (5, 3, 100), (32, 4, 256)])  # tiny; ragged; the limits
-def test_flow_input_is_the_update_then_the_time_mlp(device, n, a, e):
-    """The fused kernel against the three steps' references, with and without the update; the
-    input is untouched, the updated x is a new tensor."""
-    g = torch.Generator(device=device).manual_seed(n * a * e)
-    for dtype in dtypes(device):
-        x, wx, bias, w2, b2, update = flow_inputs(device, g, n, a, e, dtype)
-        before = x.clone()
-        poison_allocator(device)
-        same, got = flow_input_triton(x, wx, bias, w2, b2)
-        assert same is x and got.shape == (n, 8, e) and got.dtype == dtype
-        close(got, flow_input_reference(x, wx, bias, w2, b2)[1], dtype, scale=2)
-        poison_allocator(device)
-        x2, got = flow_input_triton(x, wx, bias, w2, b2, update)
-        x2_ref, want = flow_input_reference(x, wx, bias, w2, b2, update)
-        close(x2, x2_ref, torch.float32, scale=10)
-        close(got, want, dtype, scale=4)
-        assert torch.equal(x, before)
-
-
-@pytest.mark.parametrize("device", DEVICES)
-def test_flow_input_takes_the_fused_kernel_only_for_few_narrow_rows(device, monkeypatch):
-    """Up to the row and width limits one fused launch; beyond them the three kernels, which
-    agree with the reference too."""
-    import kernels.flow as fl
-    import kernels.matmul as km
-
-    launches = spy_launches(monkeypatch, fl, "_flow_input_kernel")
-    if device == "cpu":  # the interpreter runs the kernels on CPU tensors, as on a GPU
-        for module in (fl, km):
-            monkeypatch.setattr(module, "use_triton", lambda *tensors: True)
-    g = torch.Generator(device=device).manual_seed(9)
-    dtype = dtypes(device)[0]
-    cases = [(km.MAX_ROWS // 8, 2, 64, True), (km.MAX_ROWS // 8 + 1, 2, 64, False),
-             (1, fl.FUSED_MAX_ACTIONS + 1, 64, False), (1, 2, fl.FUSED_MAX_WIDTH + 16, False)]  # fmt: skip
-    for n, a, e, fused in cases:
-        launches.clear()
-        x, wx, bias, w2, b2, update = flow_inputs(device, g, n, a, e, dtype)
-        got = flow_input(x, wx, bias, w2, b2, update)
-        want = flow_input_reference(x, wx, bias, w2, b2, update)
-        assert bool(launches) == fused, (n, a, e)
-        close(got[0], want[0], torch.float32, scale=10)
-        close(got[1], want[1], dtype, scale=4)
-
-
-def test_flow_input_names_the_mismatched_time_layer():
-    x, wx, bias = torch.zeros(1, 8, 2), torch.zeros(16, 2), torch.zeros(16)
-    with pytest.raises(ValueError, match=r"w2 \(16, 16\) and b2 \(16,\)"):
-        flow_input(x, wx, bias, torch.zeros(16, 8), torch.zeros(16))
 
 
 @pytest.mark.parametrize("device", DEVICES)
