@@ -1,4 +1,4 @@
-"""Fused GPU kernels (Triton), each in a small module beside the torch reference it must match.
+"""Fused GPU kernels (Triton; one in CUDA C++), each in a small module beside the torch reference it must match.
 
 Every public function takes its Triton kernel on CUDA (when Triton is installed and no autograd
 graph runs through it) and its torch reference everywhere else, so one call site runs on the
@@ -17,6 +17,7 @@ module                           kernels
 ``kernels.flow``                 folded time embedding, and final norm + output projection + Euler update
 ``kernels.rng``                  per-slot counter-based Gaussian noise (draw + counter bump)
 ``kernels.slot_copy``            masked row copy / gather (restore, autoreset) and row scatter (fork)
+``kernels.expert_layer``         the action expert's whole decoder layer at one slot (CUDA C++, a cluster of 8 CTAs)
 ===============================  ========================================================================
 """
 
@@ -31,7 +32,7 @@ from kernels.rng import draw_normal_
 from kernels.rotary import qkv_rope
 from kernels.slot_copy import masked_copy_rows, masked_copy_rows_reference, scatter_rows
 
-__version__ = "0.7.0"  # bump when a kernel's numerics change: capsules name the version they were made with
+__version__ = "0.8.0"  # bump when a kernel's numerics change: capsules name the version they were made with
 
 __all__ = [
     "add_layer_norm",

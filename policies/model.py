@@ -38,6 +38,7 @@ from kernels import (
     rms_norm_qkv_rope,
     time_embed,
 )
+from kernels import expert_layer as one_kernel_layer
 from kernels.grouped_attention import Segment
 from policies.config import PolicyConfig
 
@@ -342,7 +343,16 @@ class FlowPolicy(nn.Module):
     def _expert_layers(self, h: torch.Tensor, prefix: Prefix, pos0: torch.Tensor) -> torch.Tensor:
         """The expert's layers over the prefix (before its final norm): (N, H, E)."""
         for i, layer in enumerate(self.expert):
-            h, _, _ = layer(h, pos0, self.inv_freq, layer_segments(prefix, i))
+            context = layer_segments(prefix, i)
+            weights = (layer.norm1.weight, layer.qkv_weight(), layer.o.weight, layer.norm2.weight,
+                       layer.gate_up.weight, layer.down.weight)  # fmt: skip
+            if one_kernel_layer.fits(h, context, *weights):  # at few slots: one CUDA kernel a layer
+                n1, qkv, o, n2, gate_up, down = weights
+                h = one_kernel_layer.expert_layer(
+                    h, pos0, self.inv_freq, context, n1, layer.norm1.eps, qkv, o, n2, layer.norm2.eps, gate_up, down
+                )
+            else:
+                h, _, _ = layer(h, pos0, self.inv_freq, context)
         return h
 
     def _fold_flow(self) -> tuple[torch.Tensor, ...]:

@@ -32,6 +32,7 @@ import torch
 
 import kernels
 import runtime
+from kernels import expert_layer
 from kernels.rng import draw_normal_
 from policies.model import FlowPolicy, Prefix
 from runtime import BufferSet, BufferSpec, Graph, slot
@@ -69,7 +70,10 @@ def policy_specs(model: FlowPolicy) -> list[BufferSpec]:
 def deployment_digest(model: FlowPolicy, weights_id: str) -> str:
     """Hash of what makes outputs comparable: config, weights, dtype, runtime and kernel versions,
     and which kernel implementation (Triton or the torch references) runs on the model's device."""
-    impl = kernels.implementation(next(model.parameters()).device)
+    device = next(model.parameters()).device
+    impl = kernels.implementation(device)
+    if impl == "triton" and expert_layer.available(device):  # its sums run in another order
+        impl += "+expert_layer"
     text = "|".join([model.cfg.to_json(), weights_id, str(model.dtype), runtime.__version__, kernels.__version__, impl])
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 

@@ -1,0 +1,523 @@
+// One action-expert decoder layer at few slots as ONE kernel: a cluster of 8 CTAs per slot.
+//
+// A `tiny` expert layer at one slot is 8 tokens of width 192: five Triton kernels (norm + q/k/v
+// + rotary, attention, o projection, norm + gate/up + GeGLU, down projection), ~13 us on an
+// H200, each kernel's cost its chain of dependent steps after waiting for the one ahead. Here
+// the eight CTAs of a cluster load their slices of the layer's weights into shared memory
+// before that wait (the weights are constants of the graph; the next layer's CTAs do so while
+// this one runs), then pass activations through distributed shared memory with cluster
+// barriers in between: q/k/v -> attention (CTA 0) -> o projection -> gate/up + GeGLU -> down.
+//
+// Rounding follows the Triton kernels (kernels/norm_linear.py, kernels/grouped_attention.py,
+// kernels/matmul.py): the normed row rounded before the norm weight, each projection rounded
+// to bf16 before rotary / GELU, P rounded to bf16 before P V, the o and down projections added
+// to the residual in float32 and rounded once. Only the order of sums differs (tensor-core
+// mma.sync m16n8k16 tiles; attention keys split over four warps and merged).
+//
+// Shapes are compile-time (tiny's expert): width 192, 4 query heads of 64 over 1 key/value
+// head, 8 tokens, GeGLU width 768; up to 3 context segments, at most 152 context keys.
+
+#include <cooperative_groups.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+namespace cg = cooperative_groups;
+typedef __nv_bfloat16 bf16;
+
+constexpr int E = 192, HEADS = 4, D = 64, T = 8, MLP = 768;
+constexpr int QKV = (HEADS + 2) * D;  // 384: q heads, then k, then v
+constexpr int CL = 8;                 // CTAs a cluster (one cluster a slot)
+constexpr int THREADS = 256;          // 8 warps
+constexpr int PE = E + 8;             // row pitches (bf16) padded by 16 bytes: conflict-free fragments
+constexpr int PA = HEADS * D + 8;
+constexpr int PG = MLP / CL + 8;
+constexpr int PD = D + 8;
+
+struct Segment {
+  const bf16* k;
+  const bf16* v;
+  const uint8_t* m;  // null: every key valid
+  long long sk_n, sk_t, sv_n, sv_t, sm_n, sm_t;
+  int len;
+};
+
+struct Params {
+  bf16* x;  // (N, T, E) residual stream, updated in place
+  const bf16* n1;
+  const bf16* wqkv;  // (QKV, E)
+  const bf16* wo;    // (E, HEADS*D)
+  const bf16* n2;
+  const bf16* wgu;  // (2*MLP, E), gate rows first
+  const bf16* wd;   // (E, MLP)
+  const long long* pos0;
+  const float* inv_freq;  // (D/2,)
+  Segment seg[3];
+  int nseg;
+  float eps1, eps2, scale;  // scale: log2(e) / sqrt(D)
+};
+
+
+// shared memory, bytes. The first region (q/k/v weights, q/k/v rows, rotated queries) is dead
+// once the attention warps hold their query fragments; the attention merge reuses it.
+constexpr int CTXV = 160;                                  // value rows: context, own, zeros
+constexpr int OWN = 24;                                    // own key rows: T, then zeros (a chunk may reach 22)
+constexpr int PM = D + 8;                                  // merge row pitch (float): conflict-free
+constexpr int MERGE = 32 * PM + 64;                        // a key group's state: acc, then max and sum
+constexpr int S_WQKV = 0;                                  // 64 x PE: two (head, half-tile) pairs
+constexpr int S_Q = S_WQKV + 64 * PE * 2;                  // 32 x PD rotated queries (CTA 0)
+constexpr int S_MERGE = S_WQKV;                            // 3 x MERGE float (CTA 0, after the queries)
+constexpr int S_WO = S_Q + 32 * PD * 2;                    // 32 x PA
+constexpr int S_WGU = S_WO + 32 * PA * 2;                  // 192 x PE (96 gate rows, 96 up rows)
+constexpr int S_WD = S_WGU + 192 * PE * 2;                 // 192 x PG (this CTA's 96 input columns)
+constexpr int S_N1 = S_WD + 192 * PG * 2;                  // float E
+constexpr int S_N2 = S_N1 + E * 4;                         // float E
+constexpr int S_ROT = S_N2 + E * 4;                        // float 2 x T x D/2: cos, sin (rounded)
+constexpr int S_X = S_ROT + 2 * T * (D / 2) * 4;           // T x PE residual
+constexpr int S_Y = S_X + T * PE * 2;                      // T x PE normed
+constexpr int S_ATT = S_Y + T * PE * 2;                    // T x PA attention output
+constexpr int S_G = S_ATT + T * PA * 2;                    // T x PG GeGLU slice
+constexpr int S_PART = S_G + T * PG * 2;                   // float E x T down partial
+constexpr int S_K = S_PART + E * T * 4;                    // OWN x PD own keys (CTA 0)
+constexpr int S_V = S_K + OWN * PD * 2;                    // CTXV x PD values: context, own, zeros (CTA 0)
+constexpr int SMEM = S_V + CTXV * PD * 2;
+static_assert(S_MERGE + 3 * MERGE * 4 <= S_WO, "the merge buffer must fit in the dead first region");
+
+__device__ __forceinline__ void mma16816(float c[4], const uint32_t a[4], const uint32_t b[2]) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+__device__ __forceinline__ uint32_t ld32(const bf16* p) { return *reinterpret_cast<const uint32_t*>(p); }
+__device__ __forceinline__ float rnd(float v) { return __bfloat162float(__float2bfloat16(v)); }
+__device__ __forceinline__ uint32_t pack(float lo, float hi) {
+  __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&h);
+}
+__device__ __forceinline__ uint32_t pack_bf(bf16 lo, bf16 hi) {
+  return (uint32_t)__bfloat16_as_ushort(lo) | ((uint32_t)__bfloat16_as_ushort(hi) << 16);
+}
+__device__ __forceinline__ float ex2(float v) {
+  float r;
+  asm("ex2.approx.f32 %0, %1;" : "=f"(r) : "f"(v));
+  return r;
+}
+__device__ __forceinline__ void cp16(void* smem, const void* gmem) {
+  uint32_t s = (uint32_t)__cvta_generic_to_shared(smem);
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem));
+}
+__device__ __forceinline__ void grid_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+__device__ __forceinline__ void grid_release() { asm volatile("griddepcontrol.launch_dependents;"); }
+
+// rows x cols (bf16, cols a multiple of 8) from global (row stride gs) to shared (pitch ps)
+__device__ __forceinline__ void stage(bf16* s, int ps, const bf16* g, long long gs, int rows, int cols) {
+  int per = cols / 8;
+  for (int i = threadIdx.x; i < rows * per; i += THREADS) {
+    int r = i / per, c = (i % per) * 8;
+    cp16(s + r * ps + c, g + r * gs + c);
+  }
+}
+
+// c += W[16 rows] . act^T over nk k-steps of 16: A = W (row-major, pitch pw), B[k][n] = act[n][k]
+// (nk even; two accumulators halve the chain of dependent mma)
+__device__ __forceinline__ void tile(float c[4], const bf16* w, int pw, const bf16* act, int pa, int nk) {
+  int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+  const bf16* a = w + g * pw + 2 * q;
+  const bf16* b = act + g * pa + 2 * q;
+  float d[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll 4
+  for (int ks = 0; ks < nk; ks += 2, a += 32, b += 32) {
+    uint32_t af[4] = {ld32(a), ld32(a + 8 * pw), ld32(a + 8), ld32(a + 8 * pw + 8)};
+    uint32_t bfr[2] = {ld32(b), ld32(b + 8)};
+    uint32_t af2[4] = {ld32(a + 16), ld32(a + 8 * pw + 16), ld32(a + 24), ld32(a + 8 * pw + 24)};
+    uint32_t bfr2[2] = {ld32(b + 16), ld32(b + 24)};
+    mma16816(c, af, bfr);
+    mma16816(d, af2, bfr2);
+  }
+#pragma unroll
+  for (int e = 0; e < 4; ++e) c[e] += d[e];
+}
+
+// RMSNorm of T rows of x (pitch PE) into y: warp w takes row w
+__device__ __forceinline__ void rms_norm(const bf16* x, bf16* y, const float* w, float eps) {
+  int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  if (warp >= T) return;
+  float v[E / 32], ss = 0.f;
+#pragma unroll
+  for (int i = 0; i < E / 32; ++i) {
+    v[i] = __bfloat162float(x[warp * PE + lane + 32 * i]);
+    ss += v[i] * v[i];
+  }
+#pragma unroll
+  for (int o = 16; o; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+  float r = 1.0f / sqrtf(ss / E + eps);
+#pragma unroll
+  for (int i = 0; i < E / 32; ++i) y[warp * PE + lane + 32 * i] = __float2bfloat16(rnd(v[i] * r) * w[lane + 32 * i]);
+}
+
+struct Key {  // where key j of the context + own sequence lives
+  const bf16* k;
+  const bf16* v;
+  bool valid;
+};
+
+__device__ __forceinline__ Key context_key(const Params& p, long long n, int j) {
+  Key key = {nullptr, nullptr, false};
+#pragma unroll
+  for (int s = 0; s < 3; ++s) {
+    if (s < p.nseg && j >= 0 && j < p.seg[s].len) {
+      const Segment& g = p.seg[s];
+      key.k = g.k + n * g.sk_n + j * g.sk_t;
+      key.v = g.v + n * g.sv_n + j * g.sv_t;
+      key.valid = g.m == nullptr || g.m[n * g.sm_n + j * g.sm_t] != 0;
+    }
+    j -= p.seg[s].len;
+    if (s + 1 >= p.nseg) j = -1;
+  }
+  return key;
+}
+
+__global__ void __launch_bounds__(THREADS, 1) expert_layer_kernel(const Params p) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  cg::cluster_group cluster = cg::this_cluster();
+  const int r = (int)cluster.block_rank();
+  const long long n = blockIdx.y;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, q = lane & 3;
+  bf16* wqkv = (bf16*)(smem + S_WQKV);
+  bf16* wo = (bf16*)(smem + S_WO);
+  bf16* wgu = (bf16*)(smem + S_WGU);
+  bf16* wd = (bf16*)(smem + S_WD);
+  float* n1 = (float*)(smem + S_N1);
+  float* n2 = (float*)(smem + S_N2);
+  bf16* xs = (bf16*)(smem + S_X);
+  bf16* ys = (bf16*)(smem + S_Y);
+  bf16* att = (bf16*)(smem + S_ATT);
+  bf16* gs = (bf16*)(smem + S_G);
+  float* part = (float*)(smem + S_PART);
+  bf16* qs = (bf16*)(smem + S_Q);
+  bf16* ks = (bf16*)(smem + S_K);
+  bf16* vs = (bf16*)(smem + S_V);
+  float* merge = (float*)(smem + S_MERGE);
+  float* rot = (float*)(smem + S_ROT);
+
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::);  // waited on before the first remote write
+  // ---- before the wait: this CTA's weight slices (constants of the graph) ----
+  // q/k/v pair P (r, and r + 8 for r < 4): head P / 2, rows 16 (P % 2) .. of its two halves
+  for (int k = 0; k < 2 && r + 8 * k < 12; ++k) {
+    int P = r + 8 * k, rows = D * (P / 2) + 16 * (P % 2);
+    stage(wqkv + 32 * k * PE, PE, p.wqkv + (long long)rows * E, E, 16, E);
+    stage(wqkv + (32 * k + 16) * PE, PE, p.wqkv + (long long)(rows + D / 2) * E, E, 16, E);
+  }
+  stage(wo, PA, p.wo + (long long)16 * r * HEADS * D, HEADS * D, 16, HEADS * D);
+  if (r < 4) stage(wo + 16 * PA, PA, p.wo + (long long)16 * (r + 8) * HEADS * D, HEADS * D, 16, HEADS * D);
+  stage(wgu, PE, p.wgu + (long long)96 * r * E, E, 96, E);
+  stage(wgu + 96 * PE, PE, p.wgu + (long long)(MLP + 96 * r) * E, E, 96, E);
+  stage(wd, PG, p.wd + 96 * r, MLP, E, 96);
+  asm volatile("cp.async.commit_group;\n" ::);
+  for (int i = tid; i < E; i += THREADS) {
+    n1[i] = __bfloat162float(p.n1[i]);
+    n2[i] = __bfloat162float(p.n2[i]);
+  }
+  // CTA 0: the context's values into shared memory, the rotary table, and the attention warps'
+  // context keys in mma fragments (the prefix and positions are written long before this kernel)
+  const int mt = warp & 1, kg = warp >> 1;  // m-tile (query heads 2mt, 2mt+1), key group
+  int ctx = 0;
+#pragma unroll
+  for (int s = 0; s < 3; ++s) ctx += s < p.nseg ? p.seg[s].len : 0;
+  uint32_t kf[3][2][4][2];
+  bool kv_ok[3][2][2];
+  {
+    const long long pos0 = p.pos0[n];  // rotary table: cos, sin of each token's angles, rounded
+    for (int i = tid; i < T * (D / 2); i += THREADS) {
+      float ang = (float)(pos0 + i / (D / 2)) * p.inv_freq[i % (D / 2)];
+      rot[i] = rnd(cosf(ang));
+      rot[T * (D / 2) + i] = rnd(sinf(ang));
+    }
+  }
+  if (r == 0) {
+    for (int i = tid; i < ctx * (D / 8); i += THREADS) {
+      Key key = context_key(p, n, i / (D / 8));
+      cp16(vs + (i / (D / 8)) * PD + (i % (D / 8)) * 8, key.v + (i % (D / 8)) * 8);
+    }
+    asm volatile("cp.async.commit_group;\n" ::);
+    for (int i = ctx + T + tid; i < CTXV; i += THREADS)
+      for (int e = 0; e < D; ++e) vs[i * PD + e] = __float2bfloat16(0.f);
+    for (int i = tid; i < (OWN - T) * PD; i += THREADS) ks[T * PD + i] = __float2bfloat16(0.f);  // padding keys
+#pragma unroll
+    for (int ci = 0; ci < 3; ++ci) {
+      const int c = kg + 4 * ci;
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        Key key = context_key(p, n, 16 * c + 8 * j + g);  // B column n = g: key 16c + 8j + g
+#pragma unroll
+        for (int s = 0; s < 4; ++s) {
+          kf[ci][j][s][0] = key.k ? ld32(key.k + 16 * s + 2 * q) : 0u;
+          kf[ci][j][s][1] = key.k ? ld32(key.k + 16 * s + 8 + 2 * q) : 0u;
+        }
+#pragma unroll
+        for (int h = 0; h < 2; ++h) kv_ok[ci][j][h] = context_key(p, n, 16 * c + 8 * j + 2 * q + h).valid;
+      }
+    }
+  }
+  grid_wait();  // every earlier kernel has finished: the residual stream is final
+  grid_release();
+
+  // ---- 1: norm, q/k/v projection (3 tiles a CTA) into CTA 0's q/k/v rows ----
+  for (int i = tid; i < T * E / 8; i += THREADS) {
+    int t = i / (E / 8), c = (i % (E / 8)) * 8;
+    *reinterpret_cast<uint4*>(xs + t * PE + c) = *reinterpret_cast<const uint4*>(p.x + (n * T + t) * E + c);
+  }
+  asm volatile("cp.async.wait_all;\n" ::);
+  __syncthreads();
+  rms_norm(xs, ys, n1, p.eps1);
+  __syncthreads();
+  asm volatile("barrier.cluster.wait.aligned;\n" ::);  // every CTA of the cluster is running
+  if (warp < 2 && r + 8 * warp < 12) {  // pair P: both halves of 16 columns of head P / 2
+    const int P = r + 8 * warp, h = P / 2;
+    float ca[4] = {0.f, 0.f, 0.f, 0.f}, cb[4] = {0.f, 0.f, 0.f, 0.f};
+    tile(ca, wqkv + 32 * warp * PE, PE, ys, PE, E / 16);
+    tile(cb, wqkv + (32 * warp + 16) * PE, PE, ys, PE, E / 16);
+    bf16* dst = h < HEADS ? cluster.map_shared_rank(qs, 0) + h * T * PD
+                          : cluster.map_shared_rank(h == HEADS ? ks : vs, 0) + (h == HEADS ? 0 : ctx) * PD;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int e = 16 * (P % 2) + g + 8 * (i >> 1), t = 2 * q + (i & 1);
+      bf16 a = __float2bfloat16(ca[i]), b = __float2bfloat16(cb[i]), ra = a, rb = b;
+      if (h <= HEADS) {  // queries and keys rotated, rounded as the reference
+        float cs = rot[t * (D / 2) + e], sn = rot[T * (D / 2) + t * (D / 2) + e];
+        float af = __bfloat162float(a), bf = __bfloat162float(b);
+        ra = __float2bfloat16(rnd(af * cs) - rnd(bf * sn));
+        rb = __float2bfloat16(rnd(bf * cs) + rnd(af * sn));
+      }
+      dst[t * PD + e] = ra;
+      dst[t * PD + D / 2 + e] = rb;
+    }
+  }
+  cluster.sync();
+
+  // ---- 2 (CTA 0): rotary, attention over [context; own], output to every CTA ----
+  if (r == 0) {
+    const int chunks = (ctx + T + 15) / 16;
+    uint32_t qa[4][4];
+#pragma unroll
+    for (int s = 0; s < 4; ++s) {
+      const bf16* a = qs + (16 * mt + g) * PD + 16 * s + 2 * q;
+      qa[s][0] = ld32(a);
+      qa[s][1] = ld32(a + 8 * PD);
+      qa[s][2] = ld32(a + 8);
+      qa[s][3] = ld32(a + 8 * PD + 8);
+    }
+    __syncthreads();  // every warp holds its query fragments: the first region is free for the merge
+    float acc[8][4], m_i[2] = {-INFINITY, -INFINITY}, l_i[2] = {0.f, 0.f};
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
+#pragma unroll
+    for (int ci = 0; ci < 3; ++ci) {
+      const int c = kg + 4 * ci;
+      if (c < chunks) {
+        // own keys (and padding) of this chunk, from shared memory
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          int o = 16 * c + 8 * j + g - ctx;
+          if (o >= 0) {
+#pragma unroll
+            for (int s = 0; s < 4; ++s) {
+              kf[ci][j][s][0] = ld32(ks + o * PD + 16 * s + 2 * q);
+              kf[ci][j][s][1] = ld32(ks + o * PD + 16 * s + 8 + 2 * q);
+            }
+          }
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            int oh = 16 * c + 8 * j + 2 * q + h - ctx;
+            if (oh >= 0) kv_ok[ci][j][h] = oh < T;
+          }
+        }
+        uint32_t vf[8][2];  // b0: keys 2q, 2q+1 of the chunk; b1: keys 2q+8, 2q+9; column: dim 8nt + g
+#pragma unroll
+        for (int b = 0; b < 2; ++b) {
+          const bf16* v0 = vs + (16 * c + 8 * b + 2 * q) * PD + g;
+#pragma unroll
+          for (int nt = 0; nt < 8; ++nt) vf[nt][b] = pack_bf(v0[8 * nt], v0[PD + 8 * nt]);
+        }
+        float s[2][4];
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+#pragma unroll
+          for (int st = 0; st < 4; ++st) mma16816(s[j], qa[st], kf[ci][j][st]);
+        }
+        float mx[2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {  // h: row g (c0, c1) or g + 8 (c2, c3)
+          mx[h] = -INFINITY;
+#pragma unroll
+          for (int j = 0; j < 2; ++j)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              float v = kv_ok[ci][j][e] ? s[j][2 * h + e] * p.scale : -INFINITY;
+              s[j][2 * h + e] = v;
+              mx[h] = fmaxf(mx[h], v);
+            }
+          mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
+          mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
+          float m_new = fmaxf(m_i[h], mx[h]);
+          float m_safe = m_new == -INFINITY ? 0.f : m_new;
+          float alpha = ex2(m_i[h] - m_safe), sum = 0.f;
+#pragma unroll
+          for (int j = 0; j < 2; ++j)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              s[j][2 * h + e] = ex2(s[j][2 * h + e] - m_safe);
+              sum += s[j][2 * h + e];
+            }
+          l_i[h] = l_i[h] * alpha + sum;
+#pragma unroll
+          for (int nt = 0; nt < 8; ++nt) {
+            acc[nt][2 * h] *= alpha;
+            acc[nt][2 * h + 1] *= alpha;
+          }
+          m_i[h] = m_new;
+        }
+        uint32_t pa[4] = {pack(s[0][0], s[0][1]), pack(s[0][2], s[0][3]), pack(s[1][0], s[1][1]),
+                          pack(s[1][2], s[1][3])};
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt) mma16816(acc[nt], pa, vf[nt]);
+      }
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      l_i[h] += __shfl_xor_sync(0xffffffffu, l_i[h], 1);
+      l_i[h] += __shfl_xor_sync(0xffffffffu, l_i[h], 2);
+    }
+    // merge the four key groups' softmax states: groups 1-3 through shared memory
+    if (kg > 0) {
+      float* mb = merge + (kg - 1) * MERGE;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        int row = 16 * mt + g + 8 * h;
+        if (q == 0) {
+          mb[32 * PM + row] = m_i[h];
+          mb[32 * PM + 32 + row] = l_i[h];
+        }
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt)
+          *reinterpret_cast<float2*>(mb + row * PM + 8 * nt + 2 * q) = make_float2(acc[nt][2 * h], acc[nt][2 * h + 1]);
+      }
+    }
+    __syncthreads();
+    if (kg == 0) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        int row = 16 * mt + g + 8 * h;
+        float mk[4], mtot = m_i[h];
+#pragma unroll
+        for (int o = 1; o < 4; ++o) {
+          mk[o] = merge[(o - 1) * MERGE + 32 * PM + row];
+          mtot = fmaxf(mtot, mk[o]);
+        }
+        float ms = mtot == -INFINITY ? 0.f : mtot;
+        float w0 = ex2(m_i[h] - ms), l = l_i[h] * w0, wk[4];
+#pragma unroll
+        for (int o = 1; o < 4; ++o) {
+          wk[o] = ex2(mk[o] - ms);
+          l += merge[(o - 1) * MERGE + 32 * PM + 32 + row] * wk[o];
+        }
+        const float inv = 1.0f / (l == 0.f ? 1.f : l);
+        int head = row / T, t = row % T;
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt) {
+          float o0 = acc[nt][2 * h] * w0, o1 = acc[nt][2 * h + 1] * w0;
+#pragma unroll
+          for (int o = 1; o < 4; ++o) {
+            const float2 mb = *reinterpret_cast<const float2*>(merge + (o - 1) * MERGE + row * PM + 8 * nt + 2 * q);
+            o0 += mb.x * wk[o];
+            o1 += mb.y * wk[o];
+          }
+          *reinterpret_cast<uint32_t*>(att + t * PA + head * D + 8 * nt + 2 * q) = pack(o0 * inv, o1 * inv);
+        }
+      }
+    }
+  }
+  cluster.sync();
+  if (r != 0) {  // every CTA takes the attention output from CTA 0, 16 bytes a thread
+    const bf16* src = cluster.map_shared_rank(att, 0);
+    int t = tid / (HEADS * D / 8), c = (tid % (HEADS * D / 8)) * 8;
+    *reinterpret_cast<uint4*>(att + t * PA + c) = *reinterpret_cast<const uint4*>(src + t * PA + c);
+  }
+  __syncthreads();
+
+  // ---- 3: o projection (tiles r and r + 8) onto the residual, new rows to every CTA ----
+  if (warp < 2 && r + 8 * warp < E / 16) {
+    float c[4] = {0.f, 0.f, 0.f, 0.f};
+    tile(c, wo + 16 * warp * PA, PA, att, PA, HEADS * D / 16);
+    int col = 16 * (r + 8 * warp) + g;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      int t = 2 * q + (e & 1), cc = col + 8 * (e >> 1);
+      bf16 v = __float2bfloat16(__bfloat162float(xs[t * PE + cc]) + c[e]);
+#pragma unroll
+      for (int k = 0; k < CL; ++k) cluster.map_shared_rank(xs, k)[t * PE + cc] = v;
+    }
+  }
+  cluster.sync();
+
+  // ---- 4: norm, gate/up (6 column pairs a CTA) + GeGLU, this CTA's share of the down product ----
+  rms_norm(xs, ys, n2, p.eps2);
+  __syncthreads();
+  if (warp < 6) {
+    float cg_[4] = {0.f, 0.f, 0.f, 0.f}, cu[4] = {0.f, 0.f, 0.f, 0.f};
+    tile(cg_, wgu + 16 * warp * PE, PE, ys, PE, E / 16);
+    tile(cu, wgu + (96 + 16 * warp) * PE, PE, ys, PE, E / 16);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      float pf = rnd(cg_[e]), qf = rnd(cu[e]);
+      float z = 0.7978845608028654f * (pf + 0.044715f * pf * pf * pf);
+      float th = 1.0f - 2.0f / (__expf(2.0f * z) + 1.0f);
+      float act = rnd(0.5f * pf * (1.0f + th));
+      gs[(2 * q + (e & 1)) * PG + 16 * warp + g + 8 * (e >> 1)] = __float2bfloat16(act * qf);
+    }
+  }
+  __syncthreads();
+  for (int i = warp; i < E / 16; i += 8) {
+    float c[4] = {0.f, 0.f, 0.f, 0.f};
+    tile(c, wd + 16 * i * PG, PG, gs, PG, MLP / CL / 16);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) part[(16 * i + g + 8 * (e >> 1)) * T + 2 * q + (e & 1)] = c[e];
+  }
+  cluster.sync();
+
+  // ---- 5: sum the eight CTAs' partial products (in rank order) onto the residual ----
+  if (tid < E / CL * T) {
+    int col = E / CL * r + tid / T, t = tid % T;
+    float sum = 0.f;
+#pragma unroll
+    for (int k = 0; k < CL; ++k) sum += cluster.map_shared_rank(part, k)[col * T + t];
+    p.x[(n * T + t) * E + col] = __float2bfloat16(__bfloat162float(xs[t * PE + col]) + sum);
+  }
+  cluster.sync();  // no CTA leaves while another still reads its shared memory
+}
+
+extern "C" int flashrt_expert_layer_smem() { return SMEM; }
+
+extern "C" int flashrt_expert_layer(const Params* p, int slots, void* stream, int dependent) {
+  static cudaError_t attr = cudaFuncSetAttribute(expert_layer_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM);
+  if (attr != cudaSuccess) return (int)attr;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(CL, slots, 1);
+  cfg.blockDim = dim3(THREADS, 1, 1);
+  cfg.dynamicSmemBytes = SMEM;
+  cfg.stream = (cudaStream_t)stream;
+  cudaLaunchAttribute attrs[2];
+  attrs[0].id = cudaLaunchAttributeClusterDimension;
+  attrs[0].val.clusterDim.x = CL;
+  attrs[0].val.clusterDim.y = 1;
+  attrs[0].val.clusterDim.z = 1;
+  attrs[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attrs[1].val.programmaticStreamSerializationAllowed = dependent;
+  cfg.attrs = attrs;
+  cfg.numAttrs = 2;
+  return (int)cudaLaunchKernelEx(&cfg, expert_layer_kernel, *p);
+}

@@ -1,0 +1,181 @@
+"""The action expert's decoder layer at few slots as one CUDA kernel (``kernels/cuda/expert_layer.cu``).
+
+At one slot an expert layer is five Triton kernels whose cost is their chain of dependent steps,
+not their work (docs/PERFORMANCE.md). The CUDA kernel runs the whole layer on a cluster of 8
+CTAs a slot: each loads its slices of the weights into shared memory before it waits for the
+kernel ahead, then the CTAs pass activations through distributed shared memory. Thread-block
+clusters are not reachable from Triton, so this one kernel is CUDA C++, built on first use with
+the CUDA toolkit's ``nvcc`` for sm_90a and loaded through ``ctypes`` (its launcher takes the
+current stream, so it is captured like any other kernel).
+
+:func:`fits` says whether a call can take it: an sm_90 GPU, ``nvcc`` found, no autograd, and
+exactly the shapes it is compiled for (``tiny``'s expert at one slot). Elsewhere the Triton
+kernels run. The kernel reads, before its wait, only what is written at least two kernels ahead
+of it in a step (weights, the prefix's keys/values and masks, the positions); the kernel just
+ahead of an expert layer is the layer before it or the time MLP.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import math
+import os
+import shutil
+import subprocess
+import tempfile
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from kernels.backend import grid_dependency, use_triton
+
+SOURCE = Path(__file__).with_name("cuda") / "expert_layer.cu"
+WIDTH, HEADS, HEAD_DIM, TOKENS, MLP = 192, 4, 64, 8, 768
+MAX_CONTEXT = 152
+"""The shapes the kernel is compiled for (``tiny``'s expert: one key/value head), and the most
+context keys it takes (10 chunks of 16 keys with the 8 own keys)."""
+MAX_SLOTS = 1
+"""Most slots a call takes it for. One cluster of 8 CTAs a slot; at 16 slots (128 CTAs) the
+weight loads no longer overlap the kernel ahead and the Triton layer is faster (27.5 against
+15.6 us a layer on an H200)."""
+_SHAPES = (
+    (WIDTH,),
+    ((HEADS + 2) * HEAD_DIM, WIDTH),
+    (WIDTH, HEADS * HEAD_DIM),
+    (WIDTH,),
+    (2 * MLP, WIDTH),
+    (WIDTH, MLP),
+)
+
+
+class _Segment(ctypes.Structure):
+    _fields_ = [("k", ctypes.c_void_p), ("v", ctypes.c_void_p), ("m", ctypes.c_void_p)] + [
+        (name, ctypes.c_longlong) for name in ("sk_n", "sk_t", "sv_n", "sv_t", "sm_n", "sm_t")
+    ] + [("len", ctypes.c_int)]  # fmt: skip
+
+
+class _Params(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_void_p) for name in ("x", "n1", "wqkv", "wo", "n2", "wgu", "wd", "pos0", "inv_freq")
+    ] + [("seg", _Segment * 3), ("nseg", ctypes.c_int), ("eps1", ctypes.c_float), ("eps2", ctypes.c_float),
+         ("scale", ctypes.c_float)]  # fmt: skip
+
+
+def _nvcc() -> str | None:
+    for candidate in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
+        if candidate and (Path(candidate) / "bin" / "nvcc").is_file():
+            return str(Path(candidate) / "bin" / "nvcc")
+    return shutil.which("nvcc")
+
+
+def _cache_dir() -> Path:
+    root = (
+        os.environ.get("FLASHRT_CACHE")
+        or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "flashrt_gym"
+    )
+    return Path(root)
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    """The built kernel library (built once per source and compiler, then cached on disk), or
+    None where no ``nvcc`` is found or the build fails."""
+    nvcc = _nvcc()
+    if nvcc is None:
+        return None
+    source = SOURCE.read_bytes()
+    version = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout
+    key = hashlib.sha256(source + version.encode()).hexdigest()[:16]
+    target = _cache_dir() / f"expert_layer_{key}.so"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+            out = Path(tmp) / target.name
+            cmd = [nvcc, "-O3", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", "-Xcompiler", "-fPIC",
+                   "-shared", "-o", str(out), str(SOURCE)]  # fmt: skip
+            build = subprocess.run(cmd, capture_output=True, text=True)
+            if build.returncode:
+                warnings.warn(f"kernels.expert_layer: {nvcc} failed to build {SOURCE.name}; the Triton layers run "
+                              f"instead:\n{build.stderr[-2000:]}", stacklevel=2)  # fmt: skip
+                return None
+            os.replace(out, target)  # atomic: a concurrent build sees the whole file or none
+    lib = ctypes.CDLL(str(target))
+    lib.flashrt_expert_layer.argtypes = [ctypes.POINTER(_Params), ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
+    lib.flashrt_expert_layer.restype = ctypes.c_int
+    return lib
+
+
+def available(device: torch.device | str) -> bool:
+    """Whether calls on ``device`` can take the kernel: an sm_90 GPU (the build targets sm_90a),
+    Triton's dependent-launch calls, and the library built (``nvcc`` found)."""
+    device = torch.device(device)
+    if device.type != "cuda" or not grid_dependency(device):
+        return False
+    return torch.cuda.get_device_capability(device) == (9, 0) and _library() is not None
+
+
+def fits(x: torch.Tensor, context: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]],
+         *weights: torch.Tensor) -> bool:  # fmt: skip
+    """Whether an expert layer over ``x`` (N, T, E) and ``context`` takes the CUDA kernel;
+    ``weights``: norm1, q/k/v, o, norm2, gate/up and down weights, as :func:`expert_layer` takes."""
+    if not use_triton(x, *weights) or x.shape[1:] != (TOKENS, WIDTH) or x.shape[0] > MAX_SLOTS:
+        return False
+    if x.dtype != torch.bfloat16 or not x.is_contiguous():
+        return False
+    if tuple(w.shape for w in weights) != _SHAPES or any(w.dtype != x.dtype or not w.is_contiguous() for w in weights):
+        return False
+    if not 1 <= len(context) <= 3 or sum(k.shape[2] for k, _, _ in context) > MAX_CONTEXT:
+        return False
+    for k, v, m in context:
+        if k.shape[1] != 1 or k.shape[3] != HEAD_DIM or v.shape != k.shape or k.dtype != x.dtype:
+            return False
+        rows = (*k.stride()[:3], *v.stride()[:3])
+        if k.stride(-1) != 1 or v.stride(-1) != 1 or any(s % 8 for s in rows) or k.data_ptr() % 16 or v.data_ptr() % 16:
+            return False
+        if m is not None and m.dtype != torch.bool:
+            return False
+    return available(x.device)
+
+
+def expert_layer(
+    x: torch.Tensor,
+    pos0: torch.Tensor,
+    inv_freq: torch.Tensor,
+    context: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]],
+    norm1: torch.Tensor,
+    eps1: float,
+    qkv_weight: torch.Tensor,
+    o_weight: torch.Tensor,
+    norm2: torch.Tensor,
+    eps2: float,
+    gate_up_weight: torch.Tensor,
+    down_weight: torch.Tensor,
+) -> torch.Tensor:
+    """One decoder layer over ``x`` (N, 8, 192) in place (returned), attending to ``context``
+    (up to three segments of keys/values (N, 1, T_i, 64) and bool masks (N, T_i) or None) and to
+    its own tokens; as ``policies.model.DecoderLayer.forward`` computes it. Call it where
+    :func:`fits` holds."""
+    lib = _library()
+    p = _Params()
+    p.x, p.n1, p.wqkv, p.wo = x.data_ptr(), norm1.data_ptr(), qkv_weight.data_ptr(), o_weight.data_ptr()
+    p.n2, p.wgu, p.wd = norm2.data_ptr(), gate_up_weight.data_ptr(), down_weight.data_ptr()
+    p.pos0, p.inv_freq = pos0.data_ptr(), inv_freq.data_ptr()
+    for i, (k, v, m) in enumerate(context):
+        s = p.seg[i]
+        s.k, s.v, s.len = k.data_ptr(), v.data_ptr(), k.shape[2]
+        s.sk_n, s.sk_t, s.sv_n, s.sv_t = k.stride(0), k.stride(2), v.stride(0), v.stride(2)
+        if m is not None:
+            s.m, s.sm_n, s.sm_t = m.data_ptr(), m.stride(0), m.stride(1)
+    p.nseg, p.eps1, p.eps2 = len(context), eps1, eps2
+    p.scale = math.log2(math.e) / math.sqrt(HEAD_DIM)
+    # dependent launch only inside a capture, as kernels.backend.dependent_launch says why
+    dependent = int(torch.cuda.is_current_stream_capturing())
+    stream = ctypes.c_void_p(torch.cuda.current_stream(x.device).cuda_stream)
+    err = lib.flashrt_expert_layer(ctypes.byref(p), x.shape[0], stream, dependent)
+    if err:
+        raise RuntimeError(f"expert_layer: the CUDA launch failed with cudaError {err}")
+    return x

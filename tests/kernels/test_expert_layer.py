@@ -1,0 +1,169 @@
+"""The action expert's decoder layer as one CUDA kernel (kernels.expert_layer)."""
+
+import ctypes
+import shutil
+
+import pytest
+import torch
+
+import kernels
+import kernels.expert_layer as el
+from policies import PRESETS, FlowPolicy
+from policies.model import layer_segments
+from tests.kernels.kernel_devices import poison_allocator
+
+
+def expert_inputs(device, slots=1, seed=0):
+    """A tiny policy and one expert layer's inputs: the residual, positions and a context of an
+    instruction (per-token mask, two keys masked out) and two frames (one per-slot flag each)."""
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = FlowPolicy(PRESETS["tiny"](["push", "the", "red", "square"])).to(torch.bfloat16).eval()
+    model.requires_grad_(False)
+    c = model.cfg
+    g = torch.Generator(device=device).manual_seed(seed)
+
+    def kv(tokens):
+        return torch.randn(slots, c.depth, 2, c.kv_heads, tokens, c.head_dim, device=device, generator=g).to(
+            torch.bfloat16
+        )
+
+    text_mask = torch.ones(slots, c.max_text_len, dtype=torch.bool, device=device)
+    text_mask[:, -2:] = False
+    flag = torch.ones(slots, 1, dtype=torch.bool, device=device)
+    prefix = [
+        (kv(c.max_text_len), text_mask),
+        (kv(c.frame_tokens), flag.expand(-1, c.frame_tokens)),
+        (kv(c.frame_tokens), flag.expand(-1, c.frame_tokens)),
+    ]
+    x = torch.randn(slots, c.horizon, c.expert_width, device=device, generator=g).to(torch.bfloat16)
+    pos0 = torch.full((slots,), c.max_text_len + 3 * c.frame_tokens, dtype=torch.int64, device=device)
+    return model, prefix, x, pos0
+
+
+def layer_args(layer):
+    return (layer.norm1.weight, layer.qkv_weight(), layer.o.weight, layer.norm2.weight, layer.gate_up.weight,
+            layer.down.weight)  # fmt: skip
+
+
+def run_kernel(model, layer, x, pos0, context):
+    n1, qkv, o, n2, gate_up, down = layer_args(layer)
+    return el.expert_layer(
+        x, pos0, model.inv_freq, context, n1, layer.norm1.eps, qkv, o, n2, layer.norm2.eps, gate_up, down
+    )
+
+
+def test_never_taken_on_cpu():
+    model, prefix, x, _ = expert_inputs("cpu")
+    layer = model.expert[0]
+    assert not el.fits(x, layer_segments(prefix, 0), *layer_args(layer))
+    assert not el.available("cpu")
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None and el._nvcc() is None, reason="needs the CUDA toolkit's nvcc")
+def test_builds_with_nvcc_and_exports_its_launcher(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLASHRT_CACHE", str(tmp_path))
+    el._library.cache_clear()
+    try:
+        lib = el._library()
+        assert lib is not None
+        assert [p.name for p in tmp_path.iterdir()] == [p.name for p in tmp_path.glob("expert_layer_*.so")]
+        assert isinstance(lib.flashrt_expert_layer, ctypes._CFuncPtr)
+    finally:
+        el._library.cache_clear()
+
+
+def test_a_failed_build_warns_and_leaves_the_triton_layers(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLASHRT_CACHE", str(tmp_path))
+    monkeypatch.setattr(el, "_nvcc", lambda: str(tmp_path / "nvcc"))
+    (tmp_path / "nvcc").write_text("#!/bin/sh\necho 'nvcc: broken' >&2\nexit 1\n")
+    (tmp_path / "nvcc").chmod(0o755)
+    el._library.cache_clear()
+    try:
+        with pytest.warns(UserWarning, match="broken"):
+            assert el._library() is None
+        assert not list(tmp_path.glob("*.so"))  # nothing half-written in the cache
+    finally:
+        el._library.cache_clear()
+
+
+@pytest.mark.cuda
+def test_matches_the_triton_layer_and_the_reference():
+    if not el.available("cuda"):
+        pytest.skip("needs an sm_90 GPU and nvcc")
+    model, prefix, x, pos0 = expert_inputs("cuda")
+    with torch.no_grad():
+        for i, layer in enumerate(model.expert):
+            context = layer_segments(prefix, i)
+            assert el.fits(x, context, *layer_args(layer))
+            poison_allocator("cuda")
+            got = run_kernel(model, layer, x.clone(), pos0, context)
+            triton_layer = layer(x.clone(), pos0, model.inv_freq, context)[0]
+            with kernels.reference_only():
+                ref = layer(x.clone(), pos0, model.inv_freq, context)[0]
+            assert not got.isnan().any()
+            assert (got.float() - triton_layer.float()).abs().max() <= 2 * (
+                triton_layer.float() - ref.float()
+            ).abs().max()
+            torch.testing.assert_close(got.float(), ref.float(), atol=3e-2, rtol=2e-2)
+            assert not torch.equal(got, x)  # the layer changed the residual stream in place of x's copy
+
+
+@pytest.mark.cuda
+def test_masked_keys_are_ignored():
+    if not el.available("cuda"):
+        pytest.skip("needs an sm_90 GPU and nvcc")
+    model, prefix, x, pos0 = expert_inputs("cuda", seed=1)
+    layer, context = model.expert[0], layer_segments(prefix, 0)
+    with torch.no_grad():
+        want = run_kernel(model, layer, x.clone(), pos0, context)
+        k, v, _ = context[0]
+        k[..., -2:, :] = 1e4  # the masked instruction keys/values: any (finite) values give the same output
+        v[..., -2:, :] = -1e4
+        assert torch.equal(run_kernel(model, layer, x.clone(), pos0, context), want)
+        context[1] = (context[1][0], context[1][1], torch.zeros_like(context[1][2]))  # a frame flagged invalid
+        k1, v1, _ = context[1]
+        k1.normal_()
+        v1.fill_(1e4)
+        ref = layer(x.clone(), pos0, model.inv_freq, context)[0]
+        torch.testing.assert_close(run_kernel(model, layer, x.clone(), pos0, context).float(), ref.float(),
+                                   atol=3e-2, rtol=2e-2)  # fmt: skip
+
+
+@pytest.mark.cuda
+def test_refuses_what_it_is_not_built_for():
+    if not el.available("cuda"):
+        pytest.skip("needs an sm_90 GPU and nvcc")
+    model, prefix, x, _ = expert_inputs("cuda", slots=2)
+    layer, context = model.expert[0], layer_segments(prefix, 0)
+    args = layer_args(layer)
+    assert not el.fits(x, context, *args)  # two slots: the Triton layer is faster
+    x1, ctx1 = x[:1].contiguous(), [(k[:1], v[:1], m[:1]) for k, v, m in context]
+    assert el.fits(x1, ctx1, *args)
+    assert not el.fits(x1.float(), ctx1, *args)
+    assert not el.fits(x1, ctx1, *args[:4], args[4][:-16], args[5])  # another MLP width
+    long = [(torch.cat([k, k], 2), torch.cat([v, v], 2), None) for k, v, _ in ctx1[:2]]  # 162 context keys
+    assert not el.fits(x1, long, *args)
+    with torch.enable_grad():
+        assert not el.fits(x1, ctx1, *(a.detach().requires_grad_() for a in args))
+
+
+@pytest.mark.cuda
+def test_graph_replay_matches_eager_bytes():
+    if not el.available("cuda"):
+        pytest.skip("needs an sm_90 GPU and nvcc")
+    model, prefix, _, _ = expert_inputs("cuda", seed=2)
+    noise = torch.randn(1, model.cfg.horizon, model.cfg.action_dim, device="cuda")
+    frame = torch.full((1,), 2, dtype=torch.int64, device="cuda")
+    eager = model.sample(noise, prefix, frame)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        model.sample(noise, prefix, frame)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = model.sample(noise, prefix, frame)
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)
