@@ -102,10 +102,9 @@ def test_matches_the_triton_layer_and_the_reference():
             with kernels.reference_only():
                 ref = layer(x.clone(), pos0, model.inv_freq, context)[0]
             assert not got.isnan().any()
-            assert (got.float() - triton_layer.float()).abs().max() <= 2 * (
-                triton_layer.float() - ref.float()
-            ).abs().max()
-            torch.testing.assert_close(got.float(), ref.float(), atol=1e-1, rtol=5e-2)  # a few bf16 steps
+            # a few bf16 steps at these magnitudes (|x| up to ~8): the same roundings, sums in another order
+            torch.testing.assert_close(got.float(), triton_layer.float(), atol=1e-1, rtol=5e-2)
+            torch.testing.assert_close(got.float(), ref.float(), atol=1e-1, rtol=5e-2)
             assert not torch.equal(got, x)  # the layer changed the residual stream in place of x's copy
 
 
