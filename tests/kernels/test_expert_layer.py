@@ -53,6 +53,13 @@ def run_kernel(model, layer, x, pos0, context):
     )
 
 
+@pytest.fixture
+def cluster_kernel():
+    """Skips where the kernel cannot run (another GPU, no nvcc)."""
+    if not el.available("cuda"):
+        pytest.skip("needs an sm_90 GPU and nvcc")
+
+
 def test_never_taken_on_cpu():
     model, prefix, x, _ = expert_inputs("cpu")
     layer = model.expert[0]
@@ -88,9 +95,7 @@ def test_a_failed_build_warns_and_leaves_the_triton_layers(tmp_path, monkeypatch
 
 
 @pytest.mark.cuda
-def test_matches_the_triton_layer_and_the_reference():
-    if not el.available("cuda"):
-        pytest.skip("needs an sm_90 GPU and nvcc")
+def test_matches_the_triton_layer_and_the_reference(cluster_kernel):
     model, prefix, x, pos0 = expert_inputs("cuda")
     with torch.no_grad():
         for i, layer in enumerate(model.expert):
@@ -109,9 +114,7 @@ def test_matches_the_triton_layer_and_the_reference():
 
 
 @pytest.mark.cuda
-def test_masked_keys_are_ignored():
-    if not el.available("cuda"):
-        pytest.skip("needs an sm_90 GPU and nvcc")
+def test_masked_keys_are_ignored(cluster_kernel):
     model, prefix, x, pos0 = expert_inputs("cuda", seed=1)
     layer, context = model.expert[0], layer_segments(prefix, 0)
     with torch.no_grad():
@@ -130,9 +133,7 @@ def test_masked_keys_are_ignored():
 
 
 @pytest.mark.cuda
-def test_refuses_what_it_is_not_built_for():
-    if not el.available("cuda"):
-        pytest.skip("needs an sm_90 GPU and nvcc")
+def test_refuses_what_it_is_not_built_for(cluster_kernel):
     model, prefix, x, _ = expert_inputs("cuda", slots=2)
     layer, context = model.expert[0], layer_segments(prefix, 0)
     args = layer_args(layer)
@@ -148,9 +149,7 @@ def test_refuses_what_it_is_not_built_for():
 
 
 @pytest.mark.cuda
-def test_graph_replay_matches_eager_bytes():
-    if not el.available("cuda"):
-        pytest.skip("needs an sm_90 GPU and nvcc")
+def test_graph_replay_matches_eager_bytes(cluster_kernel):
     model, prefix, _, _ = expert_inputs("cuda", seed=2)
     noise = torch.randn(1, model.cfg.horizon, model.cfg.action_dim, device="cuda")
     frame = torch.full((1,), 2, dtype=torch.int64, device="cuda")
