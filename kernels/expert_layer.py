@@ -31,7 +31,8 @@ from pathlib import Path
 
 import torch
 
-from kernels.backend import grid_dependency, use_triton
+from kernels.backend import dependent_launch, grid_dependency, use_triton
+from kernels.rotary import check_positions
 
 SOURCE = Path(__file__).with_name("cuda") / "expert_layer.cu"
 WIDTH, HEADS, HEAD_DIM, TOKENS, MLP = 192, 4, 64, 8, 768
@@ -118,15 +119,23 @@ def available(device: torch.device | str) -> bool:
     return torch.cuda.get_device_capability(device) == (9, 0) and _library() is not None
 
 
+def runs_for(*weights: torch.Tensor) -> bool:
+    """Whether a layer with these weights (norm1, q/k/v, o, norm2, gate/up, down: bf16, the
+    compiled shapes) can take the kernel on their device."""
+    if tuple(w.shape for w in weights) != _SHAPES:
+        return False
+    if any(w.dtype != torch.bfloat16 or not w.is_contiguous() for w in weights):
+        return False
+    return available(weights[0].device)
+
+
 def fits(x: torch.Tensor, context: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]],
          *weights: torch.Tensor) -> bool:  # fmt: skip
     """Whether an expert layer over ``x`` (N, T, E) and ``context`` takes the CUDA kernel;
-    ``weights``: norm1, q/k/v, o, norm2, gate/up and down weights, as :func:`expert_layer` takes."""
+    ``weights`` as :func:`runs_for` takes them."""
     if not use_triton(x, *weights) or x.shape[1:] != (TOKENS, WIDTH) or x.shape[0] > MAX_SLOTS:
         return False
     if x.dtype != torch.bfloat16 or not x.is_contiguous():
-        return False
-    if tuple(w.shape for w in weights) != _SHAPES or any(w.dtype != x.dtype or not w.is_contiguous() for w in weights):
         return False
     if not 1 <= len(context) <= 3 or sum(k.shape[2] for k, _, _ in context) > MAX_CONTEXT:
         return False
@@ -138,7 +147,7 @@ def fits(x: torch.Tensor, context: Sequence[tuple[torch.Tensor, torch.Tensor, to
             return False
         if m is not None and m.dtype != torch.bool:
             return False
-    return available(x.device)
+    return runs_for(*weights)
 
 
 def expert_layer(
@@ -146,34 +155,28 @@ def expert_layer(
     pos0: torch.Tensor,
     inv_freq: torch.Tensor,
     context: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]],
-    norm1: torch.Tensor,
-    eps1: float,
-    qkv_weight: torch.Tensor,
-    o_weight: torch.Tensor,
-    norm2: torch.Tensor,
-    eps2: float,
-    gate_up_weight: torch.Tensor,
-    down_weight: torch.Tensor,
+    weights: Sequence[torch.Tensor],
+    eps: tuple[float, float],
 ) -> torch.Tensor:
     """One decoder layer over ``x`` (N, 8, 192) in place (returned), attending to ``context``
     (up to three segments of keys/values (N, 1, T_i, 64) and bool masks (N, T_i) or None) and to
-    its own tokens; as ``policies.model.DecoderLayer.forward`` computes it. Call it where
-    :func:`fits` holds."""
+    its own tokens at positions ``pos0 + t`` ((N,) int64); as ``policies.model.DecoderLayer.forward``
+    computes it. ``weights``: norm1, q/k/v, o, norm2, gate/up, down (:func:`runs_for`); ``eps``:
+    the two norms' epsilons. Call it where :func:`fits` holds."""
+    check_positions(pos0, x.shape[0], "expert_layer")
     lib = _library()
     p = _Params()
-    p.x, p.n1, p.wqkv, p.wo = x.data_ptr(), norm1.data_ptr(), qkv_weight.data_ptr(), o_weight.data_ptr()
-    p.n2, p.wgu, p.wd = norm2.data_ptr(), gate_up_weight.data_ptr(), down_weight.data_ptr()
-    p.pos0, p.inv_freq = pos0.data_ptr(), inv_freq.data_ptr()
+    p.x, p.pos0, p.inv_freq = x.data_ptr(), pos0.data_ptr(), inv_freq.data_ptr()
+    p.n1, p.wqkv, p.wo, p.n2, p.wgu, p.wd = (w.data_ptr() for w in weights)
     for i, (k, v, m) in enumerate(context):
         s = p.seg[i]
         s.k, s.v, s.len = k.data_ptr(), v.data_ptr(), k.shape[2]
         s.sk_n, s.sk_t, s.sv_n, s.sv_t = k.stride(0), k.stride(2), v.stride(0), v.stride(2)
         if m is not None:
             s.m, s.sm_n, s.sm_t = m.data_ptr(), m.stride(0), m.stride(1)
-    p.nseg, p.eps1, p.eps2 = len(context), eps1, eps2
+    p.nseg, (p.eps1, p.eps2) = len(context), eps
     p.scale = math.log2(math.e) / math.sqrt(HEAD_DIM)
-    # dependent launch only inside a capture, as kernels.backend.dependent_launch says why
-    dependent = int(torch.cuda.is_current_stream_capturing())
+    dependent = int(dependent_launch(x.device, 8 * x.shape[0]).get("launch_pdl", False))
     stream = ctypes.c_void_p(torch.cuda.current_stream(x.device).cuda_stream)
     err = lib.flashrt_expert_layer(ctypes.byref(p), x.shape[0], stream, dependent)
     if err:

@@ -32,13 +32,13 @@ from kernels import (
     add_rms_norm,
     attention,
     euler_step,
+    expert_layer,
     linear,
     linear_gelu,
     rms_norm_geglu,
     rms_norm_qkv_rope,
     time_embed,
 )
-from kernels import expert_layer as one_kernel_layer
 from kernels.grouped_attention import Segment
 from policies.config import PolicyConfig
 
@@ -127,6 +127,11 @@ class DecoderLayer(nn.Module):
         self.gate_up = nn.Linear(width, 2 * mlp, bias=False)
         self.down = nn.Linear(mlp, width, bias=False)
         self._qkv = Folded(lambda: (torch.cat([self.q.weight, self.kv.weight]),), self.q.weight, self.kv.weight)
+
+    def fused_weights(self) -> tuple[torch.Tensor, ...]:
+        """norm1, q/k/v, o, norm2, gate/up and down weights: what :mod:`kernels.expert_layer` takes."""
+        return (self.norm1.weight, self.qkv_weight(), self.o.weight, self.norm2.weight, self.gate_up.weight,
+                self.down.weight)  # fmt: skip
 
     def qkv_weight(self) -> torch.Tensor:
         """[W_q; W_kv]: one projection for queries, keys and values."""
@@ -343,14 +348,10 @@ class FlowPolicy(nn.Module):
     def _expert_layers(self, h: torch.Tensor, prefix: Prefix, pos0: torch.Tensor) -> torch.Tensor:
         """The expert's layers over the prefix (before its final norm): (N, H, E)."""
         for i, layer in enumerate(self.expert):
-            context = layer_segments(prefix, i)
-            weights = (layer.norm1.weight, layer.qkv_weight(), layer.o.weight, layer.norm2.weight,
-                       layer.gate_up.weight, layer.down.weight)  # fmt: skip
-            if one_kernel_layer.fits(h, context, *weights):  # at few slots: one CUDA kernel a layer
-                n1, qkv, o, n2, gate_up, down = weights
-                h = one_kernel_layer.expert_layer(
-                    h, pos0, self.inv_freq, context, n1, layer.norm1.eps, qkv, o, n2, layer.norm2.eps, gate_up, down
-                )
+            context, weights = layer_segments(prefix, i), layer.fused_weights()
+            if expert_layer.fits(h, context, *weights):  # at one slot: one CUDA kernel a layer
+                eps = (layer.norm1.eps, layer.norm2.eps)
+                h = expert_layer.expert_layer(h, pos0, self.inv_freq, context, weights, eps)
             else:
                 h, _, _ = layer(h, pos0, self.inv_freq, context)
         return h

@@ -72,7 +72,7 @@ def deployment_digest(model: FlowPolicy, weights_id: str) -> str:
     and which kernel implementation (Triton or the torch references) runs on the model's device."""
     device = next(model.parameters()).device
     impl = kernels.implementation(device)
-    if impl == "triton" and expert_layer.available(device):  # its sums run in another order
+    if impl == "triton" and expert_layer.runs_for(*model.expert[0].fused_weights()):  # sums in another order
         impl += "+expert_layer"
     text = "|".join([model.cfg.to_json(), weights_id, str(model.dtype), runtime.__version__, kernels.__version__, impl])
     return hashlib.sha256(text.encode()).hexdigest()[:16]

@@ -26,7 +26,6 @@ namespace cg = cooperative_groups;
 typedef __nv_bfloat16 bf16;
 
 constexpr int E = 192, HEADS = 4, D = 64, T = 8, MLP = 768;
-constexpr int QKV = (HEADS + 2) * D;  // 384: q heads, then k, then v
 constexpr int CL = 8;                 // CTAs a cluster (one cluster a slot)
 constexpr int THREADS = 256;          // 8 warps
 constexpr int PE = E + 8;             // row pitches (bf16) padded by 16 bytes: conflict-free fragments
@@ -45,7 +44,7 @@ struct Segment {
 struct Params {
   bf16* x;  // (N, T, E) residual stream, updated in place
   const bf16* n1;
-  const bf16* wqkv;  // (QKV, E)
+  const bf16* wqkv;  // ((HEADS + 2) * D, E): q heads, then k, then v
   const bf16* wo;    // (E, HEADS*D)
   const bf16* n2;
   const bf16* wgu;  // (2*MLP, E), gate rows first

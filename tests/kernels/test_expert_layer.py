@@ -41,16 +41,9 @@ def expert_inputs(device, slots=1, seed=0):
     return model, prefix, x, pos0
 
 
-def layer_args(layer):
-    return (layer.norm1.weight, layer.qkv_weight(), layer.o.weight, layer.norm2.weight, layer.gate_up.weight,
-            layer.down.weight)  # fmt: skip
-
-
 def run_kernel(model, layer, x, pos0, context):
-    n1, qkv, o, n2, gate_up, down = layer_args(layer)
-    return el.expert_layer(
-        x, pos0, model.inv_freq, context, n1, layer.norm1.eps, qkv, o, n2, layer.norm2.eps, gate_up, down
-    )
+    eps = (layer.norm1.eps, layer.norm2.eps)
+    return el.expert_layer(x, pos0, model.inv_freq, context, layer.fused_weights(), eps)
 
 
 @pytest.fixture
@@ -63,7 +56,7 @@ def cluster_kernel():
 def test_never_taken_on_cpu():
     model, prefix, x, _ = expert_inputs("cpu")
     layer = model.expert[0]
-    assert not el.fits(x, layer_segments(prefix, 0), *layer_args(layer))
+    assert not el.fits(x, layer_segments(prefix, 0), *layer.fused_weights())
     assert not el.available("cpu")
 
 
@@ -100,7 +93,7 @@ def test_matches_the_triton_layer_and_the_reference(cluster_kernel):
     with torch.no_grad():
         for i, layer in enumerate(model.expert):
             context = layer_segments(prefix, i)
-            assert el.fits(x, context, *layer_args(layer))
+            assert el.fits(x, context, *layer.fused_weights())
             poison_allocator("cuda")
             got = run_kernel(model, layer, x.clone(), pos0, context)
             triton_layer = layer(x.clone(), pos0, model.inv_freq, context)[0]
@@ -136,7 +129,7 @@ def test_masked_keys_are_ignored(cluster_kernel):
 def test_refuses_what_it_is_not_built_for(cluster_kernel):
     model, prefix, x, _ = expert_inputs("cuda", slots=2)
     layer, context = model.expert[0], layer_segments(prefix, 0)
-    args = layer_args(layer)
+    args = layer.fused_weights()
     assert not el.fits(x, context, *args)  # two slots: the Triton layer is faster
     x1, ctx1 = x[:1].contiguous(), [(k[:1], v[:1], m[:1]) for k, v, m in context]
     assert el.fits(x1, ctx1, *args)
