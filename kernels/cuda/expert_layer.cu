@@ -5,14 +5,17 @@
 // H200, each kernel's cost its chain of dependent steps after waiting for the one ahead. Here
 // the eight CTAs of a cluster load their slices of the layer's weights into shared memory
 // before that wait (the weights are constants of the graph; the next layer's CTAs do so while
-// this one runs), then pass activations through distributed shared memory with cluster
-// barriers in between: q/k/v -> attention (CTA 0) -> o projection -> gate/up + GeGLU -> down.
+// this one runs), then push activations into each other's distributed shared memory with
+// cluster barriers in between: q/k/v -> attention (a 16-key chunk a warp, on up to five CTAs)
+// -> the chunks' softmax states merged by the CTA that owns each row -> o projection ->
+// gate/up + GeGLU -> down partials summed by the CTA that owns each column. Every transfer
+// between CTAs is a remote store (a remote load's latency would sit on the critical path).
 //
 // Rounding follows the Triton kernels (kernels/norm_linear.py, kernels/grouped_attention.py,
 // kernels/matmul.py): the normed row rounded before the norm weight, each projection rounded
 // to bf16 before rotary / GELU, P rounded to bf16 before P V, the o and down projections added
 // to the residual in float32 and rounded once. Only the order of sums differs (tensor-core
-// mma.sync m16n8k16 tiles; attention keys split over four warps and merged).
+// mma.sync m16n8k16 tiles; attention keys split into 16-key chunks and merged).
 //
 // Shapes are compile-time (tiny's expert): width 192, 4 query heads of 64 over 1 key/value
 // head, 8 tokens, GeGLU width 768; up to 3 context segments, at most 152 context keys.
@@ -57,15 +60,18 @@ struct Params {
 };
 
 
-// shared memory, bytes. The first region (q/k/v weights, q/k/v rows, rotated queries) is dead
-// once the attention warps hold their query fragments; the attention merge reuses it.
+// shared memory, bytes. The first region (q/k/v weights) is dead once every CTA has passed the
+// q/k/v barrier; the attention chunks' softmax states and the down partials land there.
 constexpr int CTXV = 160;                                  // value rows: context, own, zeros
 constexpr int OWN = 24;                                    // own key rows: T, then zeros (a chunk may reach 22)
-constexpr int PM = D + 8;                                  // merge row pitch (float): conflict-free
-constexpr int MERGE = 32 * PM + 64;                        // a key group's state: acc, then max and sum
+constexpr int CHUNKS = CTXV / 16;                          // 16-key chunks at most: chunk c on CTA c / 2
+constexpr int PM = D + 8;                                  // merged row pitch (float): conflict-free
+constexpr int RSTATE = 4 * PM + 8;                         // a chunk's state for one CTA's 4 rows: acc, max, sum
+constexpr int COLS = E / CL;                               // residual columns a CTA sums and writes
 constexpr int S_WQKV = 0;                                  // 64 x PE: two (head, half-tile) pairs
-constexpr int S_Q = S_WQKV + 64 * PE * 2;                  // 32 x PD rotated queries (CTA 0)
-constexpr int S_MERGE = S_WQKV;                            // 3 x MERGE float (CTA 0, after the queries)
+constexpr int S_STATE = S_WQKV;                            // CHUNKS x RSTATE float: this CTA's rows' chunk states
+constexpr int S_PART = S_STATE + CHUNKS * RSTATE * 4;      // CL x COLS x T float: down partials of this CTA's columns
+constexpr int S_Q = S_WQKV + 64 * PE * 2;                  // 32 x PD rotated queries
 constexpr int S_WO = S_Q + 32 * PD * 2;                    // 32 x PA
 constexpr int S_WGU = S_WO + 32 * PA * 2;                  // 192 x PE (96 gate rows, 96 up rows)
 constexpr int S_WD = S_WGU + 192 * PE * 2;                 // 192 x PG (this CTA's 96 input columns)
@@ -76,11 +82,14 @@ constexpr int S_X = S_ROT + 2 * T * (D / 2) * 4;           // T x PE residual
 constexpr int S_Y = S_X + T * PE * 2;                      // T x PE normed
 constexpr int S_ATT = S_Y + T * PE * 2;                    // T x PA attention output
 constexpr int S_G = S_ATT + T * PA * 2;                    // T x PG GeGLU slice
-constexpr int S_PART = S_G + T * PG * 2;                   // float E x T down partial
-constexpr int S_K = S_PART + E * T * 4;                    // OWN x PD own keys (CTA 0)
-constexpr int S_V = S_K + OWN * PD * 2;                    // CTXV x PD values: context, own, zeros (CTA 0)
-constexpr int SMEM = S_V + CTXV * PD * 2;
-static_assert(S_MERGE + 3 * MERGE * 4 <= S_WO, "the merge buffer must fit in the dead first region");
+constexpr int S_K = S_G + T * PG * 2;                      // OWN x PD own keys, then zeros
+constexpr int S_V = S_K + OWN * PD * 2;                    // CTXV x PD values: context (this CTA's chunks), own, zeros
+constexpr int S_BAR = S_V + CTXV * PD * 2;                 // 5 mbarriers: one a transfer (below)
+constexpr int SMEM = S_BAR + 5 * 8;
+static_assert(S_PART + CL * COLS * T * 4 <= S_Q, "the chunk states and down partials must fit in the dead first region");
+static_assert(S_Q % 16 == 0 && S_WO % 16 == 0 && S_X % 16 == 0 && S_ATT % 16 == 0 && S_K % 16 == 0 &&
+              S_V % 16 == 0 && S_BAR % 8 == 0 && (PD * 2) % 16 == 0 && (PA * 2) % 16 == 0 && (PE * 2) % 16 == 0,
+              "16-byte remote stores need 16-byte aligned rows");
 
 __device__ __forceinline__ void mma16816(float c[4], const uint32_t a[4], const uint32_t b[2]) {
   asm volatile(
@@ -110,6 +119,39 @@ __device__ __forceinline__ void cp16(void* smem, const void* gmem) {
 }
 __device__ __forceinline__ void grid_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
 __device__ __forceinline__ void grid_release() { asm volatile("griddepcontrol.launch_dependents;"); }
+
+// Transfers between CTAs: the sender stores into the receiver's shared memory with st.async,
+// which counts the bytes down on the receiver's mbarrier for that transfer; the receiver, which
+// expected the transfer's byte total, waits on its own mbarrier. No cluster-wide barrier: each
+// CTA waits only for the bytes it reads.
+enum Transfer { QKV, STATE, ATT, RESID, PART };
+__device__ __forceinline__ uint32_t saddr(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
+__device__ __forceinline__ uint32_t mapa(uint32_t a, int rank) {  // the same offset in CTA `rank`
+  uint32_t out;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(out) : "r"(a), "r"(rank));
+  return out;
+}
+// 16, 8 or 4 bytes at local address `a` (or the value) into CTA `rank`'s copy, counted on its `bar`
+__device__ __forceinline__ void push16(uint32_t a, int rank, uint32_t bar) {
+  uint4 v;
+  asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(a));
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32 [%0], {%1, %2, %3, %4}, [%5];"
+               ::"r"(mapa(a, rank)), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w), "r"(mapa(bar, rank)) : "memory");
+}
+__device__ __forceinline__ void push8(uint32_t a, int rank, float x, float y, uint32_t bar) {
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v2.f32 [%0], {%1, %2}, [%3];"
+               ::"r"(mapa(a, rank)), "f"(x), "f"(y), "r"(mapa(bar, rank)) : "memory");
+}
+__device__ __forceinline__ void push4(uint32_t a, int rank, float x, uint32_t bar) {
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%0], %1, [%2];"
+               ::"r"(mapa(a, rank)), "r"(__float_as_uint(x)), "r"(mapa(bar, rank)) : "memory");
+}
+__device__ __forceinline__ void wait_for(uint32_t bar) {  // every byte of this CTA's transfer has landed
+  uint32_t done = 0;
+  while (!done)
+    asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], 0;\n"
+                 " selp.u32 %0, 1, 0, p;\n}" : "=r"(done) : "r"(bar) : "memory");
+}
 
 // rows x cols (bf16, cols a multiple of 8) from global (row stride gs) to shared (pitch ps)
 __device__ __forceinline__ void stage(bf16* s, int ps, const bf16* g, long long gs, int rows, int cols) {
@@ -195,14 +237,29 @@ __global__ void __launch_bounds__(THREADS, 1) expert_layer_kernel(const Params p
   bf16* ys = (bf16*)(smem + S_Y);
   bf16* att = (bf16*)(smem + S_ATT);
   bf16* gs = (bf16*)(smem + S_G);
+  float* state = (float*)(smem + S_STATE);
   float* part = (float*)(smem + S_PART);
   bf16* qs = (bf16*)(smem + S_Q);
   bf16* ks = (bf16*)(smem + S_K);
   bf16* vs = (bf16*)(smem + S_V);
-  float* merge = (float*)(smem + S_MERGE);
   float* rot = (float*)(smem + S_ROT);
+  const uint32_t bar = saddr(smem + S_BAR);  // transfer X's mbarrier: bar + 8 X
 
-  asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::);  // waited on before the first remote write
+  int ctx = 0;
+#pragma unroll
+  for (int s = 0; s < 3; ++s) ctx += s < p.nseg ? p.seg[s].len : 0;
+  const int chunks = (ctx + T + 15) / 16, acta = (chunks + 1) / 2;  // 16-key chunks, attention CTAs
+  if (tid == 0) {  // each mbarrier: one arrival (here) and the transfer's bytes into this CTA
+    const uint32_t bytes[5] = {r < acta ? 12u * 32 * 16 : 0u, (uint32_t)chunks * (4 * D + 8) * 4, CL * 32 * 16,
+                               E / 16 * T * 16 * 2, CL * COLS * T * 4};
+#pragma unroll
+    for (int x = 0; x < 5; ++x) {
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar + 8 * x));
+      asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar + 8 * x), "r"(bytes[x]));
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::);  // waited on before the first transfer
   // ---- before the wait: this CTA's weight slices (constants of the graph) ----
   // q/k/v pair P (r, and r + 8 for r < 4): head P / 2, rows 16 (P % 2) .. of its two halves
   for (int k = 0; k < 2 && r + 8 * k < 12; ++k) {
@@ -220,14 +277,13 @@ __global__ void __launch_bounds__(THREADS, 1) expert_layer_kernel(const Params p
     n1[i] = __bfloat162float(p.n1[i]);
     n2[i] = __bfloat162float(p.n2[i]);
   }
-  // CTA 0: the context's values into shared memory, the rotary table, and the attention warps'
-  // context keys in mma fragments (the prefix and positions are written long before this kernel)
-  const int mt = warp & 1, kg = warp >> 1;  // m-tile (query heads 2mt, 2mt+1), key group
-  int ctx = 0;
-#pragma unroll
-  for (int s = 0; s < 3; ++s) ctx += s < p.nseg ? p.seg[s].len : 0;
-  uint32_t kf[3][2][4][2];
-  bool kv_ok[3][2][2];
+  // the rotary table, and on the attention CTAs (chunk c on CTA c / 2, warp 2 (c % 2) + m-tile)
+  // their chunks' context values in shared memory and context keys in mma fragments (the prefix
+  // and positions are written long before this kernel)
+  const int mt = warp & 1, chunk = 2 * r + (warp >> 1);  // m-tile (query heads 2mt, 2mt+1) and chunk of warps 0-3
+  const bool attends = warp < 4 && chunk < chunks;
+  uint32_t kf[2][4][2];
+  bool kv_ok[2][2];
   {
     const long long pos0 = p.pos0[n];  // rotary table: cos, sin of each token's angles, rounded
     for (int i = tid; i < T * (D / 2); i += THREADS) {
@@ -236,35 +292,34 @@ __global__ void __launch_bounds__(THREADS, 1) expert_layer_kernel(const Params p
       rot[T * (D / 2) + i] = rnd(sinf(ang));
     }
   }
-  if (r == 0) {
-    for (int i = tid; i < ctx * (D / 8); i += THREADS) {
+  if (r < acta) {
+    const int lo = 32 * r, hi = min(32 * r + 32, ctx);
+    for (int i = lo * (D / 8) + tid; i < hi * (D / 8); i += THREADS) {
       Key key = context_key(p, n, i / (D / 8));
       cp16(vs + (i / (D / 8)) * PD + (i % (D / 8)) * 8, key.v + (i % (D / 8)) * 8);
     }
     asm volatile("cp.async.commit_group;\n" ::);
-    for (int i = ctx + T + tid; i < CTXV; i += THREADS)
+    for (int i = max(ctx + T, lo) + tid; i < 32 * r + 32; i += THREADS)
       for (int e = 0; e < D; ++e) vs[i * PD + e] = __float2bfloat16(0.f);
     for (int i = tid; i < (OWN - T) * PD; i += THREADS) ks[T * PD + i] = __float2bfloat16(0.f);  // padding keys
+  }
+  if (attends) {
 #pragma unroll
-    for (int ci = 0; ci < 3; ++ci) {
-      const int c = kg + 4 * ci;
+    for (int j = 0; j < 2; ++j) {
+      Key key = context_key(p, n, 16 * chunk + 8 * j + g);  // B column n = g: key 16c + 8j + g
 #pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        Key key = context_key(p, n, 16 * c + 8 * j + g);  // B column n = g: key 16c + 8j + g
-#pragma unroll
-        for (int s = 0; s < 4; ++s) {
-          kf[ci][j][s][0] = key.k ? ld32(key.k + 16 * s + 2 * q) : 0u;
-          kf[ci][j][s][1] = key.k ? ld32(key.k + 16 * s + 8 + 2 * q) : 0u;
-        }
-#pragma unroll
-        for (int h = 0; h < 2; ++h) kv_ok[ci][j][h] = context_key(p, n, 16 * c + 8 * j + 2 * q + h).valid;
+      for (int s = 0; s < 4; ++s) {
+        kf[j][s][0] = key.k ? ld32(key.k + 16 * s + 2 * q) : 0u;
+        kf[j][s][1] = key.k ? ld32(key.k + 16 * s + 8 + 2 * q) : 0u;
       }
+#pragma unroll
+      for (int h = 0; h < 2; ++h) kv_ok[j][h] = context_key(p, n, 16 * chunk + 8 * j + 2 * q + h).valid;
     }
   }
   grid_wait();  // every earlier kernel has finished: the residual stream is final
   grid_release();
 
-  // ---- 1: norm, q/k/v projection (3 tiles a CTA) into CTA 0's q/k/v rows ----
+  // ---- 1: norm, q/k/v projection (3 tiles a CTA) into the attention CTAs' q/k/v rows ----
   for (int i = tid; i < T * E / 8; i += THREADS) {
     int t = i / (E / 8), c = (i % (E / 8)) * 8;
     *reinterpret_cast<uint4*>(xs + t * PE + c) = *reinterpret_cast<const uint4*>(p.x + (n * T + t) * E + c);
@@ -279,8 +334,7 @@ __global__ void __launch_bounds__(THREADS, 1) expert_layer_kernel(const Params p
     float ca[4] = {0.f, 0.f, 0.f, 0.f}, cb[4] = {0.f, 0.f, 0.f, 0.f};
     tile(ca, wqkv + 32 * warp * PE, PE, ys, PE, E / 16);
     tile(cb, wqkv + (32 * warp + 16) * PE, PE, ys, PE, E / 16);
-    bf16* dst = h < HEADS ? cluster.map_shared_rank(qs, 0) + h * T * PD
-                          : cluster.map_shared_rank(h == HEADS ? ks : vs, 0) + (h == HEADS ? 0 : ctx) * PD;
+    bf16* dst = h < HEADS ? qs + h * T * PD : (h == HEADS ? ks : vs + ctx * PD);
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const int e = 16 * (P % 2) + g + 8 * (i >> 1), t = 2 * q + (i & 1);
@@ -294,12 +348,16 @@ __global__ void __launch_bounds__(THREADS, 1) expert_layer_kernel(const Params p
       dst[t * PD + e] = ra;
       dst[t * PD + D / 2 + e] = rb;
     }
+    __syncwarp();  // the 8 x 32 columns, 16 bytes a lane, to every attention CTA
+    const int t = lane >> 2, c = 16 * (P % 2) + 8 * (lane & 1) + 32 * ((lane >> 1) & 1);
+    for (int k = 0; k < acta; ++k) push16(saddr(dst + t * PD + c), k, bar + 8 * QKV);
   }
-  cluster.sync();
+  if (r < acta) wait_for(bar + 8 * QKV);
 
-  // ---- 2 (CTA 0): rotary, attention over [context; own], output to every CTA ----
-  if (r == 0) {
-    const int chunks = (ctx + T + 15) / 16;
+  // ---- 2: attention over [context; own], one 16-key chunk a warp; each chunk's softmax state
+  // (max, sum, unnormalised output) to the CTAs owning its rows (CTA o: rows 4o .. 4o + 3,
+  // row 8 head + token) ----
+  if (attends) {
     uint32_t qa[4][4];
 #pragma unroll
     for (int s = 0; s < 4; ++s) {
@@ -309,161 +367,128 @@ __global__ void __launch_bounds__(THREADS, 1) expert_layer_kernel(const Params p
       qa[s][2] = ld32(a + 8);
       qa[s][3] = ld32(a + 8 * PD + 8);
     }
-    __syncthreads();  // every warp holds its query fragments: the first region is free for the merge
-    float acc[8][4], m_i[2] = {-INFINITY, -INFINITY}, l_i[2] = {0.f, 0.f};
+    // own keys (and padding) of this chunk, from shared memory
 #pragma unroll
-    for (int nt = 0; nt < 8; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
+    for (int j = 0; j < 2; ++j) {
+      int o = 16 * chunk + 8 * j + g - ctx;
+      if (o >= 0) {
 #pragma unroll
-    for (int ci = 0; ci < 3; ++ci) {
-      const int c = kg + 4 * ci;
-      if (c < chunks) {
-        // own keys (and padding) of this chunk, from shared memory
-#pragma unroll
-        for (int j = 0; j < 2; ++j) {
-          int o = 16 * c + 8 * j + g - ctx;
-          if (o >= 0) {
-#pragma unroll
-            for (int s = 0; s < 4; ++s) {
-              kf[ci][j][s][0] = ld32(ks + o * PD + 16 * s + 2 * q);
-              kf[ci][j][s][1] = ld32(ks + o * PD + 16 * s + 8 + 2 * q);
-            }
-          }
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            int oh = 16 * c + 8 * j + 2 * q + h - ctx;
-            if (oh >= 0) kv_ok[ci][j][h] = oh < T;
-          }
+        for (int s = 0; s < 4; ++s) {
+          kf[j][s][0] = ld32(ks + o * PD + 16 * s + 2 * q);
+          kf[j][s][1] = ld32(ks + o * PD + 16 * s + 8 + 2 * q);
         }
-        uint32_t vf[8][2];  // b0: keys 2q, 2q+1 of the chunk; b1: keys 2q+8, 2q+9; column: dim 8nt + g
-#pragma unroll
-        for (int b = 0; b < 2; ++b) {
-          const bf16* v0 = vs + (16 * c + 8 * b + 2 * q) * PD + g;
-#pragma unroll
-          for (int nt = 0; nt < 8; ++nt) vf[nt][b] = pack_bf(v0[8 * nt], v0[PD + 8 * nt]);
-        }
-        float s[2][4];
-#pragma unroll
-        for (int j = 0; j < 2; ++j) {
-          s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
-#pragma unroll
-          for (int st = 0; st < 4; ++st) mma16816(s[j], qa[st], kf[ci][j][st]);
-        }
-        float mx[2];
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {  // h: row g (c0, c1) or g + 8 (c2, c3)
-          mx[h] = -INFINITY;
-#pragma unroll
-          for (int j = 0; j < 2; ++j)
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-              float v = kv_ok[ci][j][e] ? s[j][2 * h + e] * p.scale : -INFINITY;
-              s[j][2 * h + e] = v;
-              mx[h] = fmaxf(mx[h], v);
-            }
-          mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
-          mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
-          float m_new = fmaxf(m_i[h], mx[h]);
-          float m_safe = m_new == -INFINITY ? 0.f : m_new;
-          float alpha = ex2(m_i[h] - m_safe), sum = 0.f;
-#pragma unroll
-          for (int j = 0; j < 2; ++j)
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-              s[j][2 * h + e] = ex2(s[j][2 * h + e] - m_safe);
-              sum += s[j][2 * h + e];
-            }
-          l_i[h] = l_i[h] * alpha + sum;
-#pragma unroll
-          for (int nt = 0; nt < 8; ++nt) {
-            acc[nt][2 * h] *= alpha;
-            acc[nt][2 * h + 1] *= alpha;
-          }
-          m_i[h] = m_new;
-        }
-        uint32_t pa[4] = {pack(s[0][0], s[0][1]), pack(s[0][2], s[0][3]), pack(s[1][0], s[1][1]),
-                          pack(s[1][2], s[1][3])};
-#pragma unroll
-        for (int nt = 0; nt < 8; ++nt) mma16816(acc[nt], pa, vf[nt]);
       }
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        int oh = 16 * chunk + 8 * j + 2 * q + h - ctx;
+        if (oh >= 0) kv_ok[j][h] = oh < T;
+      }
+    }
+    uint32_t vf[8][2];  // b0: keys 2q, 2q+1 of the chunk; b1: keys 2q+8, 2q+9; column: dim 8nt + g
+#pragma unroll
+    for (int b = 0; b < 2; ++b) {
+      const bf16* v0 = vs + (16 * chunk + 8 * b + 2 * q) * PD + g;
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt) vf[nt][b] = pack_bf(v0[8 * nt], v0[PD + 8 * nt]);
+    }
+    float s[2][4];
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+#pragma unroll
+      for (int st = 0; st < 4; ++st) mma16816(s[j], qa[st], kf[j][st]);
+    }
+    float m_i[2], l_i[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {  // h: row g (c0, c1) or g + 8 (c2, c3)
+      float mx = -INFINITY;
+#pragma unroll
+      for (int j = 0; j < 2; ++j)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          float v = kv_ok[j][e] ? s[j][2 * h + e] * p.scale : -INFINITY;
+          s[j][2 * h + e] = v;
+          mx = fmaxf(mx, v);
+        }
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float m_safe = mx == -INFINITY ? 0.f : mx;
+      float sum = 0.f;
+#pragma unroll
+      for (int j = 0; j < 2; ++j)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          s[j][2 * h + e] = ex2(s[j][2 * h + e] - m_safe);
+          sum += s[j][2 * h + e];
+        }
+      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+      m_i[h] = mx;
+      l_i[h] = sum + __shfl_xor_sync(0xffffffffu, sum, 2);
+    }
+    uint32_t pa[4] = {pack(s[0][0], s[0][1]), pack(s[0][2], s[0][3]), pack(s[1][0], s[1][1]),
+                      pack(s[1][2], s[1][3])};
+    float acc[8][4];
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+      acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
+      mma16816(acc[nt], pa, vf[nt]);
     }
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      l_i[h] += __shfl_xor_sync(0xffffffffu, l_i[h], 1);
-      l_i[h] += __shfl_xor_sync(0xffffffffu, l_i[h], 2);
-    }
-    // merge the four key groups' softmax states: groups 1-3 through shared memory
-    if (kg > 0) {
-      float* mb = merge + (kg - 1) * MERGE;
+      const int row = 16 * mt + g + 8 * h;
+      const float* dst = state + chunk * RSTATE;
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        int row = 16 * mt + g + 8 * h;
-        if (q == 0) {
-          mb[32 * PM + row] = m_i[h];
-          mb[32 * PM + 32 + row] = l_i[h];
-        }
-#pragma unroll
-        for (int nt = 0; nt < 8; ++nt)
-          *reinterpret_cast<float2*>(mb + row * PM + 8 * nt + 2 * q) = make_float2(acc[nt][2 * h], acc[nt][2 * h + 1]);
-      }
-    }
-    __syncthreads();
-    if (kg == 0) {
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        int row = 16 * mt + g + 8 * h;
-        float mk[4], mtot = m_i[h];
-#pragma unroll
-        for (int o = 1; o < 4; ++o) {
-          mk[o] = merge[(o - 1) * MERGE + 32 * PM + row];
-          mtot = fmaxf(mtot, mk[o]);
-        }
-        float ms = mtot == -INFINITY ? 0.f : mtot;
-        float w0 = ex2(m_i[h] - ms), l = l_i[h] * w0, wk[4];
-#pragma unroll
-        for (int o = 1; o < 4; ++o) {
-          wk[o] = ex2(mk[o] - ms);
-          l += merge[(o - 1) * MERGE + 32 * PM + 32 + row] * wk[o];
-        }
-        const float inv = 1.0f / (l == 0.f ? 1.f : l);
-        int head = row / T, t = row % T;
-#pragma unroll
-        for (int nt = 0; nt < 8; ++nt) {
-          float o0 = acc[nt][2 * h] * w0, o1 = acc[nt][2 * h + 1] * w0;
-#pragma unroll
-          for (int o = 1; o < 4; ++o) {
-            const float2 mb = *reinterpret_cast<const float2*>(merge + (o - 1) * MERGE + row * PM + 8 * nt + 2 * q);
-            o0 += mb.x * wk[o];
-            o1 += mb.y * wk[o];
-          }
-          *reinterpret_cast<uint32_t*>(att + t * PA + head * D + 8 * nt + 2 * q) = pack(o0 * inv, o1 * inv);
-        }
+      for (int nt = 0; nt < 8; ++nt)
+        push8(saddr(dst + (row & 3) * PM + 8 * nt + 2 * q), row >> 2, acc[nt][2 * h], acc[nt][2 * h + 1], bar + 8 * STATE);
+      if (q == 0) {
+        push4(saddr(dst + 4 * PM + (row & 3)), row >> 2, m_i[h], bar + 8 * STATE);
+        push4(saddr(dst + 4 * PM + 4 + (row & 3)), row >> 2, l_i[h], bar + 8 * STATE);
       }
     }
   }
-  cluster.sync();
-  if (r != 0) {  // every CTA takes the attention output from CTA 0, 16 bytes a thread
-    const bf16* src = cluster.map_shared_rank(att, 0);
-    int t = tid / (HEADS * D / 8), c = (tid % (HEADS * D / 8)) * 8;
-    *reinterpret_cast<uint4*>(att + t * PA + c) = *reinterpret_cast<const uint4*>(src + t * PA + c);
+  wait_for(bar + 8 * STATE);
+  {  // merge this CTA's 4 rows (head r / 2, tokens 4 (r % 2) ..) over the chunks, a thread an element
+    const int lr = tid >> 6, d = tid & 63;
+    float mc[CHUNKS], mtot = -INFINITY;
+#pragma unroll
+    for (int c = 0; c < CHUNKS; ++c) {
+      mc[c] = c < chunks ? state[c * RSTATE + 4 * PM + lr] : -INFINITY;
+      mtot = fmaxf(mtot, mc[c]);
+    }
+    const float ms = mtot == -INFINITY ? 0.f : mtot;
+    float l = 0.f, o = 0.f;
+#pragma unroll
+    for (int c = 0; c < CHUNKS; ++c) {
+      if (c < chunks) {
+        const float w = ex2(mc[c] - ms);
+        l += state[c * RSTATE + 4 * PM + 4 + lr] * w;
+        o += state[c * RSTATE + lr * PM + d] * w;
+      }
+    }
+    att[(4 * (r & 1) + lr) * PA + (r >> 1) * D + d] = __float2bfloat16(o * (1.0f / (l == 0.f ? 1.f : l)));
   }
   __syncthreads();
+  // the 4 x 64 outputs, 16 bytes a lane, to CTA `warp`
+  push16(saddr(att + (4 * (r & 1) + (lane >> 3)) * PA + (r >> 1) * D + 8 * (lane & 7)), warp, bar + 8 * ATT);
+  wait_for(bar + 8 * ATT);
 
-  // ---- 3: o projection (tiles r and r + 8) onto the residual, new rows to every CTA ----
+  // ---- 3: o projection (tiles r and r + 8) onto the residual, new columns to every CTA ----
   if (warp < 2 && r + 8 * warp < E / 16) {
     float c[4] = {0.f, 0.f, 0.f, 0.f};
     tile(c, wo + 16 * warp * PA, PA, att, PA, HEADS * D / 16);
-    int col = 16 * (r + 8 * warp) + g;
+    const int col = 16 * (r + 8 * warp);
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      int t = 2 * q + (e & 1), cc = col + 8 * (e >> 1);
-      bf16 v = __float2bfloat16(__bfloat162float(xs[t * PE + cc]) + c[e]);
-#pragma unroll
-      for (int k = 0; k < CL; ++k) cluster.map_shared_rank(xs, k)[t * PE + cc] = v;
+      int t = 2 * q + (e & 1), cc = col + g + 8 * (e >> 1);
+      xs[t * PE + cc] = __float2bfloat16(__bfloat162float(xs[t * PE + cc]) + c[e]);
     }
+    __syncwarp();  // 8 tokens x 16 columns: 16 stores of 16 bytes for each CTA
+    for (int i = lane; i < 16 * CL; i += 32) push16(saddr(xs + ((i & 15) >> 1) * PE + col + 8 * (i & 1)), i >> 4, bar + 8 * RESID);
   }
-  cluster.sync();
+  wait_for(bar + 8 * RESID);
 
-  // ---- 4: norm, gate/up (6 column pairs a CTA) + GeGLU, this CTA's share of the down product ----
+  // ---- 4: norm, gate/up (6 column pairs a CTA) + GeGLU, this CTA's share of the down product
+  // to the CTAs owning its columns (CTA o: columns COLS o ..) ----
   rms_norm(xs, ys, n2, p.eps2);
   __syncthreads();
   if (warp < 6) {
@@ -484,19 +509,21 @@ __global__ void __launch_bounds__(THREADS, 1) expert_layer_kernel(const Params p
     float c[4] = {0.f, 0.f, 0.f, 0.f};
     tile(c, wd + 16 * i * PG, PG, gs, PG, MLP / CL / 16);
 #pragma unroll
-    for (int e = 0; e < 4; ++e) part[(16 * i + g + 8 * (e >> 1)) * T + 2 * q + (e & 1)] = c[e];
+    for (int h = 0; h < 2; ++h) {  // column 16 i + g + 8 h, tokens 2q, 2q + 1
+      const int col = 16 * i + g + 8 * h;
+      push8(saddr(part + (r * COLS + col % COLS) * T + 2 * q), col / COLS, c[2 * h], c[2 * h + 1], bar + 8 * PART);
+    }
   }
-  cluster.sync();
+  wait_for(bar + 8 * PART);  // the last transfer: no CTA writes into this one after it
 
-  // ---- 5: sum the eight CTAs' partial products (in rank order) onto the residual ----
-  if (tid < E / CL * T) {
-    int col = E / CL * r + tid / T, t = tid % T;
+  // ---- 5: sum the eight CTAs' partial products (in rank order) onto this CTA's columns ----
+  if (tid < COLS * T) {
+    const int lc = tid / T, t = tid % T, col = COLS * r + lc;
     float sum = 0.f;
 #pragma unroll
-    for (int k = 0; k < CL; ++k) sum += cluster.map_shared_rank(part, k)[col * T + t];
+    for (int k = 0; k < CL; ++k) sum += part[(k * COLS + lc) * T + t];
     p.x[(n * T + t) * E + col] = __float2bfloat16(__bfloat162float(xs[t * PE + col]) + sum);
   }
-  cluster.sync();  // no CTA leaves while another still reads its shared memory
 }
 
 extern "C" int flashrt_expert_layer_smem() { return SMEM; }

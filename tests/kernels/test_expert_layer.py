@@ -107,6 +107,26 @@ def test_matches_the_triton_layer_and_the_reference(cluster_kernel):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("lengths", [(16,), (16, 65), (7, 30, 9), (16, 65, 43), (16, 65, 71)])
+def test_any_context_length_matches_the_triton_layer(cluster_kernel, lengths):
+    """Own keys land in any chunk, or across two chunks on two CTAs (124 context keys); 152 is
+    the most the kernel takes."""
+    model, _, x, pos0 = expert_inputs("cuda", seed=3)
+    layer = model.expert[1]
+    g = torch.Generator(device="cuda").manual_seed(sum(lengths))
+    context = []
+    for i, t in enumerate(lengths):
+        k, v = (torch.randn(1, 1, t, el.HEAD_DIM, device="cuda", generator=g).to(torch.bfloat16) for _ in "kv")
+        mask = torch.rand(1, t, device="cuda", generator=g) > 0.2 if i == 0 else None
+        context.append((k, v, mask))
+    with torch.no_grad():
+        assert el.fits(x, context, *layer.fused_weights())
+        got = run_kernel(model, layer, x.clone(), pos0, context)
+        want = layer(x.clone(), pos0, model.inv_freq, context)[0]
+    torch.testing.assert_close(got.float(), want.float(), atol=1e-1, rtol=5e-2)
+
+
+@pytest.mark.cuda
 def test_masked_keys_are_ignored(cluster_kernel):
     model, prefix, x, pos0 = expert_inputs("cuda", seed=1)
     layer, context = model.expert[0], layer_segments(prefix, 0)
