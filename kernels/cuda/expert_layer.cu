@@ -162,24 +162,39 @@ __device__ __forceinline__ void stage(bf16* s, int ps, const bf16* g, long long 
   }
 }
 
-// c += W[16 rows] . act^T over nk k-steps of 16: A = W (row-major, pitch pw), B[k][n] = act[n][k]
-// (nk even; two accumulators halve the chain of dependent mma)
-__device__ __forceinline__ void tile(float c[4], const bf16* w, int pw, const bf16* act, int pa, int nk) {
-  int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
-  const bf16* a = w + g * pw + 2 * q;
-  const bf16* b = act + g * pa + 2 * q;
-  float d[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll 4
-  for (int ks = 0; ks < nk; ks += 2, a += 32, b += 32) {
-    uint32_t af[4] = {ld32(a), ld32(a + 8 * pw), ld32(a + 8), ld32(a + 8 * pw + 8)};
-    uint32_t bfr[2] = {ld32(b), ld32(b + 8)};
-    uint32_t af2[4] = {ld32(a + 16), ld32(a + 8 * pw + 16), ld32(a + 24), ld32(a + 8 * pw + 24)};
-    uint32_t bfr2[2] = {ld32(b + 16), ld32(b + 24)};
-    mma16816(c, af, bfr);
-    mma16816(d, af2, bfr2);
-  }
+// c[t] = W_t[16 rows] . act^T over nk k-steps of 16 for NT tiles sharing the activations (A = W_t,
+// row-major, pitch pw, tile t at w + t wstride; B[k][n] = act[n][k]). Each tile's k-steps are dealt
+// to CH accumulators summed at the end: NT CH independent chains of nk / CH dependent mma.
+template <int NT, int CH>
+__device__ __forceinline__ void tiles(float (&c)[NT][4], const bf16* w, int wstride, int pw, const bf16* act, int pa,
+                                      int nk) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+  float d[NT][CH][4];
 #pragma unroll
-  for (int e = 0; e < 4; ++e) c[e] += d[e];
+  for (int t = 0; t < NT; ++t)
+#pragma unroll
+    for (int h = 0; h < CH; ++h) d[t][h][0] = d[t][h][1] = d[t][h][2] = d[t][h][3] = 0.f;
+#pragma unroll
+  for (int ks = 0; ks < nk; ks += CH)
+#pragma unroll
+    for (int h = 0; h < CH; ++h) {
+      const bf16* b = act + g * pa + 2 * q + 16 * (ks + h);
+      const uint32_t bf[2] = {ld32(b), ld32(b + 8)};
+#pragma unroll
+      for (int t = 0; t < NT; ++t) {
+        const bf16* a = w + t * wstride + g * pw + 2 * q + 16 * (ks + h);
+        const uint32_t af[4] = {ld32(a), ld32(a + 8 * pw), ld32(a + 8), ld32(a + 8 * pw + 8)};
+        mma16816(d[t][h], af, bf);
+      }
+    }
+#pragma unroll
+  for (int t = 0; t < NT; ++t)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      c[t][e] = d[t][0][e];
+#pragma unroll
+      for (int h = 1; h < CH; ++h) c[t][e] += d[t][h][e];
+    }
 }
 
 // RMSNorm of T rows of x (pitch PE) into y: warp w takes row w
@@ -194,7 +209,7 @@ __device__ __forceinline__ void rms_norm(const bf16* x, bf16* y, const float* w,
   }
 #pragma unroll
   for (int o = 16; o; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-  float r = 1.0f / sqrtf(ss / E + eps);
+  float r = rsqrtf(ss * (1.0f / E) + eps);
 #pragma unroll
   for (int i = 0; i < E / 32; ++i) y[warp * PE + lane + 32 * i] = __float2bfloat16(rnd(v[i] * r) * w[lane + 32 * i]);
 }
@@ -331,9 +346,9 @@ __global__ void __launch_bounds__(THREADS, 1) expert_layer_kernel(const Params p
   asm volatile("barrier.cluster.wait.aligned;\n" ::);  // every CTA of the cluster is running
   if (warp < 2 && r + 8 * warp < 12) {  // pair P: both halves of 16 columns of head P / 2
     const int P = r + 8 * warp, h = P / 2;
-    float ca[4] = {0.f, 0.f, 0.f, 0.f}, cb[4] = {0.f, 0.f, 0.f, 0.f};
-    tile(ca, wqkv + 32 * warp * PE, PE, ys, PE, E / 16);
-    tile(cb, wqkv + (32 * warp + 16) * PE, PE, ys, PE, E / 16);
+    float cab[2][4];  // the pair's two halves
+    tiles<2, 4>(cab, wqkv + 32 * warp * PE, 16 * PE, PE, ys, PE, E / 16);
+    const float *ca = cab[0], *cb = cab[1];
     bf16* dst = h < HEADS ? qs + h * T * PD : (h == HEADS ? ks : vs + ctx * PD);
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
@@ -474,8 +489,9 @@ __global__ void __launch_bounds__(THREADS, 1) expert_layer_kernel(const Params p
 
   // ---- 3: o projection (tiles r and r + 8) onto the residual, new columns to every CTA ----
   if (warp < 2 && r + 8 * warp < E / 16) {
-    float c[4] = {0.f, 0.f, 0.f, 0.f};
-    tile(c, wo + 16 * warp * PA, PA, att, PA, HEADS * D / 16);
+    float c1[1][4];
+    tiles<1, 4>(c1, wo + 16 * warp * PA, 0, PA, att, PA, HEADS * D / 16);
+    const float* c = c1[0];
     const int col = 16 * (r + 8 * warp);
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
@@ -492,28 +508,34 @@ __global__ void __launch_bounds__(THREADS, 1) expert_layer_kernel(const Params p
   rms_norm(xs, ys, n2, p.eps2);
   __syncthreads();
   if (warp < 6) {
-    float cg_[4] = {0.f, 0.f, 0.f, 0.f}, cu[4] = {0.f, 0.f, 0.f, 0.f};
-    tile(cg_, wgu + 16 * warp * PE, PE, ys, PE, E / 16);
-    tile(cu, wgu + (96 + 16 * warp) * PE, PE, ys, PE, E / 16);
+    float cgu[2][4];  // gate and up columns 16 warp ..
+    tiles<2, 4>(cgu, wgu + 16 * warp * PE, 96 * PE, PE, ys, PE, E / 16);
+    const float *cg_ = cgu[0], *cu = cgu[1];
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       float pf = rnd(cg_[e]), qf = rnd(cu[e]);
       float z = 0.7978845608028654f * (pf + 0.044715f * pf * pf * pf);
-      float th = 1.0f - 2.0f / (__expf(2.0f * z) + 1.0f);
+      float th = 1.0f - __fdividef(2.0f, __expf(2.0f * z) + 1.0f);
       float act = rnd(0.5f * pf * (1.0f + th));
       gs[(2 * q + (e & 1)) * PG + 16 * warp + g + 8 * (e >> 1)] = __float2bfloat16(act * qf);
     }
   }
   __syncthreads();
-  for (int i = warp; i < E / 16; i += 8) {
-    float c[4] = {0.f, 0.f, 0.f, 0.f};
-    tile(c, wd + 16 * i * PG, PG, gs, PG, MLP / CL / 16);
+  float cd[2][4];  // down tiles: warps 0-3 take tiles w and w + 8, warps 4-7 tile w
+  const int nd = warp < E / 16 - 8 ? 2 : 1;
+  if (nd == 2)
+    tiles<2, 3>(cd, wd + 16 * warp * PG, 128 * PG, PG, gs, PG, MLP / CL / 16);
+  else
+    tiles<1, 3>(reinterpret_cast<float(&)[1][4]>(cd), wd + 16 * warp * PG, 0, PG, gs, PG, MLP / CL / 16);
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {  // column 16 i + g + 8 h, tokens 2q, 2q + 1
-      const int col = 16 * i + g + 8 * h;
-      push8(saddr(part + (r * COLS + col % COLS) * T + 2 * q), col / COLS, c[2 * h], c[2 * h + 1], bar + 8 * PART);
+  for (int k = 0; k < 2; ++k)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {  // column 16 i + g + 8 h of tile i = warp + 8 k, tokens 2q, 2q + 1
+      const int col = 16 * (warp + 8 * k) + g + 8 * h;
+      if (k < nd)
+        push8(saddr(part + (r * COLS + col % COLS) * T + 2 * q), col / COLS, cd[k][2 * h], cd[k][2 * h + 1],
+              bar + 8 * PART);
     }
-  }
   wait_for(bar + 8 * PART);  // the last transfer: no CTA writes into this one after it
 
   // ---- 5: sum the eight CTAs' partial products (in rank order) onto this CTA's columns ----
