@@ -5,11 +5,12 @@
 // H200, each kernel's cost its chain of dependent steps after waiting for the one ahead. Here
 // the eight CTAs of a cluster load their slices of the layer's weights into shared memory
 // before that wait (the weights are constants of the graph; the next layer's CTAs do so while
-// this one runs), then push activations into each other's distributed shared memory with
-// cluster barriers in between: q/k/v -> attention (a 16-key chunk a warp, on up to five CTAs)
-// -> the chunks' softmax states merged by the CTA that owns each row -> o projection ->
-// gate/up + GeGLU -> down partials summed by the CTA that owns each column. Every transfer
-// between CTAs is a remote store (a remote load's latency would sit on the critical path).
+// this one runs), then push activations into each other's distributed shared memory, each
+// CTA waiting only for the bytes it reads (an mbarrier a transfer, no cluster barrier): q/k/v ->
+// attention (a 16-key chunk a warp, two chunks a CTA on up to five CTAs) -> each CTA's softmax
+// states merged by the CTA that owns the row -> o projection -> gate/up + GeGLU -> down
+// partials summed by the CTA that owns the column. Every transfer between CTAs is a remote
+// store (a remote load's latency would sit on the critical path).
 //
 // Rounding follows the Triton kernels (kernels/norm_linear.py, kernels/grouped_attention.py,
 // kernels/matmul.py): the normed row rounded before the norm weight, each projection rounded
@@ -61,7 +62,8 @@ struct Params {
 
 
 // shared memory, bytes. The first region (q/k/v weights) is dead once every CTA has passed the
-// q/k/v barrier; the attention chunks' softmax states and the down partials land there.
+// q/k/v transfer; the attention's softmax states, the down partials and the second chunks'
+// states (folded into the first's before they leave the CTA) go there.
 constexpr int CTXV = 160;                                  // value rows: context, own, zeros
 constexpr int OWN = 24;                                    // own key rows: T, then zeros (a chunk may reach 22)
 constexpr int CHUNKS = CTXV / 16;                          // 16-key chunks at most: chunk c on CTA c / 2
@@ -69,8 +71,11 @@ constexpr int PM = D + 8;                                  // merged row pitch (
 constexpr int RSTATE = 4 * PM + 8;                         // a chunk's state for one CTA's 4 rows: acc, max, sum
 constexpr int COLS = E / CL;                               // residual columns a CTA sums and writes
 constexpr int S_WQKV = 0;                                  // 64 x PE: two (head, half-tile) pairs
-constexpr int S_STATE = S_WQKV;                            // CHUNKS x RSTATE float: this CTA's rows' chunk states
-constexpr int S_PART = S_STATE + CHUNKS * RSTATE * 4;      // CL x COLS x T float: down partials of this CTA's columns
+constexpr int SOURCES = CHUNKS / 2;                       // attention CTAs at most: a softmax state each
+constexpr int PRE = 16 * PM + 32;                          // an m-tile's state: 16 rows' acc, then max and sum
+constexpr int S_STATE = S_WQKV;                            // SOURCES x RSTATE float: this CTA's rows' states
+constexpr int S_PART = S_STATE + SOURCES * RSTATE * 4;     // CL x COLS x T float: down partials of this CTA's columns
+constexpr int S_PRE = S_PART + CL * COLS * T * 4;          // 2 x PRE float: second chunks' states (attention CTAs)
 constexpr int S_Q = S_WQKV + 64 * PE * 2;                  // 32 x PD rotated queries
 constexpr int S_WO = S_Q + 32 * PD * 2;                    // 32 x PA
 constexpr int S_WGU = S_WO + 32 * PA * 2;                  // 192 x PE (96 gate rows, 96 up rows)
@@ -86,7 +91,7 @@ constexpr int S_K = S_G + T * PG * 2;                      // OWN x PD own keys,
 constexpr int S_V = S_K + OWN * PD * 2;                    // CTXV x PD values: context (this CTA's chunks), own, zeros
 constexpr int S_BAR = S_V + CTXV * PD * 2;                 // 5 mbarriers: one a transfer (below)
 constexpr int SMEM = S_BAR + 5 * 8;
-static_assert(S_PART + CL * COLS * T * 4 <= S_Q, "the chunk states and down partials must fit in the dead first region");
+static_assert(S_PRE + 2 * PRE * 4 <= S_Q, "the states and down partials must fit in the dead first region");
 static_assert(S_Q % 16 == 0 && S_WO % 16 == 0 && S_X % 16 == 0 && S_ATT % 16 == 0 && S_K % 16 == 0 &&
               S_V % 16 == 0 && S_BAR % 8 == 0 && (PD * 2) % 16 == 0 && (PA * 2) % 16 == 0 && (PE * 2) % 16 == 0,
               "16-byte remote stores need 16-byte aligned rows");
@@ -265,7 +270,7 @@ __global__ void __launch_bounds__(THREADS, 1) expert_layer_kernel(const Params p
   for (int s = 0; s < 3; ++s) ctx += s < p.nseg ? p.seg[s].len : 0;
   const int chunks = (ctx + T + 15) / 16, acta = (chunks + 1) / 2;  // 16-key chunks, attention CTAs
   if (tid == 0) {  // each mbarrier: one arrival (here) and the transfer's bytes into this CTA
-    const uint32_t bytes[5] = {r < acta ? 12u * 32 * 16 : 0u, (uint32_t)chunks * (4 * D + 8) * 4, CL * 32 * 16,
+    const uint32_t bytes[5] = {r < acta ? 12u * 32 * 16 : 0u, (uint32_t)acta * (4 * D + 8) * 4, CL * 32 * 16,
                                E / 16 * T * 16 * 2, CL * COLS * T * 4};
 #pragma unroll
     for (int x = 0; x < 5; ++x) {
@@ -369,8 +374,8 @@ __global__ void __launch_bounds__(THREADS, 1) expert_layer_kernel(const Params p
   }
   if (r < acta) wait_for(bar + 8 * QKV);
 
-  // ---- 2: attention over [context; own], one 16-key chunk a warp; each chunk's softmax state
-  // (max, sum, unnormalised output) to the CTAs owning its rows (CTA o: rows 4o .. 4o + 3,
+  // ---- 2: attention over [context; own], one 16-key chunk a warp; each attention CTA's softmax
+  // state (max, sum, unnormalised output) to the CTAs owning its rows (CTA o: rows 4o .. 4o + 3,
   // row 8 head + token) ----
   if (attends) {
     uint32_t qa[4][4];
@@ -448,33 +453,66 @@ __global__ void __launch_bounds__(THREADS, 1) expert_layer_kernel(const Params p
       acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
       mma16816(acc[nt], pa, vf[nt]);
     }
+    // the CTA's second chunk's state folded into its first's (same m-tile, through shared
+    // memory): one state a CTA crosses the cluster
+    float* pre = (float*)(smem + S_PRE) + mt * PRE;
+    const bool pair = 2 * r + 1 < chunks;
+    if (warp >= 2) {
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int row = 16 * mt + g + 8 * h;
-      const float* dst = state + chunk * RSTATE;
+      for (int h = 0; h < 2; ++h) {
 #pragma unroll
-      for (int nt = 0; nt < 8; ++nt)
-        push8(saddr(dst + (row & 3) * PM + 8 * nt + 2 * q), row >> 2, acc[nt][2 * h], acc[nt][2 * h + 1], bar + 8 * STATE);
-      if (q == 0) {
-        push4(saddr(dst + 4 * PM + (row & 3)), row >> 2, m_i[h], bar + 8 * STATE);
-        push4(saddr(dst + 4 * PM + 4 + (row & 3)), row >> 2, l_i[h], bar + 8 * STATE);
+        for (int nt = 0; nt < 8; ++nt)
+          *reinterpret_cast<float2*>(pre + (g + 8 * h) * PM + 8 * nt + 2 * q) = make_float2(acc[nt][2 * h], acc[nt][2 * h + 1]);
+        if (q == 0) {
+          pre[16 * PM + g + 8 * h] = m_i[h];
+          pre[16 * PM + 16 + g + 8 * h] = l_i[h];
+        }
+      }
+    }
+    if (pair && mt == 0) asm volatile("bar.sync 1, 64;" ::: "memory");  // the m-tile's two warps
+    if (pair && mt == 1) asm volatile("bar.sync 2, 64;" ::: "memory");
+    if (warp < 2) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        if (pair) {
+          const float m1 = pre[16 * PM + g + 8 * h], mx = fmaxf(m_i[h], m1), ms = mx == -INFINITY ? 0.f : mx;
+          const float w0 = ex2(m_i[h] - ms), w1 = ex2(m1 - ms);
+          l_i[h] = l_i[h] * w0 + pre[16 * PM + 16 + g + 8 * h] * w1;
+          m_i[h] = mx;
+#pragma unroll
+          for (int nt = 0; nt < 8; ++nt) {
+            const float2 a1 = *reinterpret_cast<const float2*>(pre + (g + 8 * h) * PM + 8 * nt + 2 * q);
+            acc[nt][2 * h] = acc[nt][2 * h] * w0 + a1.x * w1;
+            acc[nt][2 * h + 1] = acc[nt][2 * h + 1] * w0 + a1.y * w1;
+          }
+        }
+        const int row = 16 * mt + g + 8 * h;
+        const float* dst = state + r * RSTATE;
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt)
+          push8(saddr(dst + (row & 3) * PM + 8 * nt + 2 * q), row >> 2, acc[nt][2 * h], acc[nt][2 * h + 1],
+                bar + 8 * STATE);
+        if (q == 0) {
+          push4(saddr(dst + 4 * PM + (row & 3)), row >> 2, m_i[h], bar + 8 * STATE);
+          push4(saddr(dst + 4 * PM + 4 + (row & 3)), row >> 2, l_i[h], bar + 8 * STATE);
+        }
       }
     }
   }
   wait_for(bar + 8 * STATE);
-  {  // merge this CTA's 4 rows (head r / 2, tokens 4 (r % 2) ..) over the chunks, a thread an element
+  {  // merge this CTA's 4 rows (head r / 2, tokens 4 (r % 2) ..) over the attention CTAs, a thread an element
     const int lr = tid >> 6, d = tid & 63;
-    float mc[CHUNKS], mtot = -INFINITY;
+    float mc[SOURCES], mtot = -INFINITY;
 #pragma unroll
-    for (int c = 0; c < CHUNKS; ++c) {
-      mc[c] = c < chunks ? state[c * RSTATE + 4 * PM + lr] : -INFINITY;
+    for (int c = 0; c < SOURCES; ++c) {
+      mc[c] = c < acta ? state[c * RSTATE + 4 * PM + lr] : -INFINITY;
       mtot = fmaxf(mtot, mc[c]);
     }
     const float ms = mtot == -INFINITY ? 0.f : mtot;
     float l = 0.f, o = 0.f;
 #pragma unroll
-    for (int c = 0; c < CHUNKS; ++c) {
-      if (c < chunks) {
+    for (int c = 0; c < SOURCES; ++c) {
+      if (c < acta) {
         const float w = ex2(mc[c] - ms);
         l += state[c * RSTATE + 4 * PM + 4 + lr] * w;
         o += state[c * RSTATE + lr * PM + d] * w;
