@@ -42,7 +42,7 @@ context keys it takes (10 chunks of 16 keys with the 8 own keys)."""
 MAX_SLOTS = 1
 """Most slots a call takes it for. One cluster of 8 CTAs a slot; at 16 slots (128 CTAs) the
 weight loads no longer overlap the kernel ahead and the Triton layer is faster (27.5 against
-15.6 us a layer on an H200)."""
+15.6 us a layer on an H200, measured at kernel version 0.8.0)."""
 _SHAPES = (
     (WIDTH,),
     ((HEADS + 2) * HEAD_DIM, WIDTH),
