@@ -19,18 +19,13 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import math
-import os
-import shutil
-import subprocess
-import tempfile
-import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
+from kernels import nvcc
 from kernels.backend import dependent_launch, grid_dependency, use_triton
 from kernels.rotary import check_positions
 
@@ -66,47 +61,16 @@ class _Params(ctypes.Structure):
          ("scale", ctypes.c_float)]  # fmt: skip
 
 
-def _nvcc() -> str | None:
-    for candidate in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
-        if candidate and (Path(candidate) / "bin" / "nvcc").is_file():
-            return str(Path(candidate) / "bin" / "nvcc")
-    return shutil.which("nvcc")
-
-
-def _cache_dir() -> Path:
-    root = (
-        os.environ.get("FLASHRT_CACHE")
-        or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "flashrt_gym"
-    )
-    return Path(root)
-
-
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    """The built kernel library (built once per source and compiler, then cached on disk), or
-    None where no ``nvcc`` is found or the build fails."""
-    nvcc = _nvcc()
-    if nvcc is None:
-        return None
-    source = SOURCE.read_bytes()
-    version = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256(source + version.encode()).hexdigest()[:16]
-    target = _cache_dir() / f"expert_layer_{key}.so"
-    if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-            out = Path(tmp) / target.name
-            cmd = [nvcc, "-O3", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", "-Xcompiler", "-fPIC",
-                   "-shared", "-o", str(out), str(SOURCE)]  # fmt: skip
-            build = subprocess.run(cmd, capture_output=True, text=True)
-            if build.returncode:
-                warnings.warn(f"kernels.expert_layer: {nvcc} failed to build {SOURCE.name}; the Triton layers run "
-                              f"instead:\n{build.stderr[-2000:]}", stacklevel=2)  # fmt: skip
-                return None
-            os.replace(out, target)  # atomic: a concurrent build sees the whole file or none
-    lib = ctypes.CDLL(str(target))
-    lib.flashrt_expert_layer.argtypes = [ctypes.POINTER(_Params), ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
-    lib.flashrt_expert_layer.restype = ctypes.c_int
+    """The built kernel library (:func:`kernels.nvcc.build`), or None where no ``nvcc`` is found
+    or the build fails (the Triton layers run instead)."""
+    lib = nvcc.build(
+        SOURCE, ["-gencode=arch=compute_90a,code=sm_90a"], "kernels.expert_layer (the Triton layers run instead)"
+    )
+    if lib is not None:
+        lib.flashrt_expert_layer.argtypes = [ctypes.POINTER(_Params), ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
+        lib.flashrt_expert_layer.restype = ctypes.c_int
     return lib
 
 

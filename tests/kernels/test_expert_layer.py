@@ -8,6 +8,7 @@ import torch
 
 import kernels
 import kernels.expert_layer as el
+from kernels import nvcc
 from policies import PRESETS, FlowPolicy
 from policies.model import layer_segments
 from tests.kernels.kernel_devices import poison_allocator
@@ -60,7 +61,7 @@ def test_never_taken_on_cpu():
     assert not el.available("cpu")
 
 
-@pytest.mark.skipif(shutil.which("nvcc") is None and el._nvcc() is None, reason="needs the CUDA toolkit's nvcc")
+@pytest.mark.skipif(shutil.which("nvcc") is None and nvcc.find() is None, reason="needs the CUDA toolkit's nvcc")
 def test_builds_with_nvcc_and_exports_its_launcher(tmp_path, monkeypatch):
     monkeypatch.setenv("FLASHRT_CACHE", str(tmp_path))
     el._library.cache_clear()
@@ -75,7 +76,7 @@ def test_builds_with_nvcc_and_exports_its_launcher(tmp_path, monkeypatch):
 
 def test_a_failed_build_warns_and_leaves_the_triton_layers(tmp_path, monkeypatch):
     monkeypatch.setenv("FLASHRT_CACHE", str(tmp_path))
-    monkeypatch.setattr(el, "_nvcc", lambda: str(tmp_path / "nvcc"))
+    monkeypatch.setattr(nvcc, "find", lambda: str(tmp_path / "nvcc"))
     (tmp_path / "nvcc").write_text("#!/bin/sh\necho 'nvcc: broken' >&2\nexit 1\n")
     (tmp_path / "nvcc").chmod(0o755)
     el._library.cache_clear()
