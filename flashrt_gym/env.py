@@ -130,8 +130,10 @@ class FlashRTVectorEnv(VectorEnv):
         self.horizon, self.action_dim = c.horizon, c.action_dim
         backend = "auto" if graphs else "eager"
         n, sd = self.num_envs, self.task.state_dim
+        agent_dim = c.action_dim if self.repeat_over_horizon else c.horizon * c.action_dim
         self._extra: list[BufferSpec] = [
-            scratch("env.action", (n, c.horizon * c.action_dim)),
+            scratch("env.action", (n, agent_dim)),  # the agent's actions, as given
+            scratch("env.action_ok", (1,), torch.bool),  # the step's guard: every action in bounds
             scratch("env.out_reward", (n,)),
             scratch("env.out_terminated", (n,), torch.bool),
             scratch("env.out_truncated", (n,), torch.bool),
@@ -160,7 +162,6 @@ class FlashRTVectorEnv(VectorEnv):
         self.registry = CapsuleRegistry(gpu_bytes=4 * pool_bytes, host_bytes=16 * pool_bytes)
         self._pool_base: int | None = None
 
-        agent_dim = c.action_dim if self.repeat_over_horizon else c.horizon * c.action_dim
         self.single_action_space = spaces.Box(-1.0, 1.0, (agent_dim,), np.float32)
         state = spaces.Box(-1.0, 1.0, (sd,), np.float32)
         features = spaces.Box(-np.inf, np.inf, (c.width + 2,), np.float32)
@@ -193,9 +194,17 @@ class FlashRTVectorEnv(VectorEnv):
         if "rgb" in self._obs_forms:
             b[f"env.{prefix}_rgb"].copy_(b["policy.image"][:, 0])
 
+    def _action_guard(self) -> torch.Tensor:
+        """The step's guard (captured before the step): whether every action lies in the
+        symmetric action space; NaN fails it. The step runs only where it holds."""
+        b, hi = self.bufs, float(self.single_action_space.high[0])
+        ok = b["env.action_ok"]
+        torch.le(torch.linalg.vector_norm(b["env.action"], float("inf")), hi + 1e-6, out=ok[0])
+        return ok
+
     def _program(self) -> None:
         b, n = self.bufs, self.num_envs
-        a = b["env.action"].view(n, self.horizon, self.action_dim)
+        a = b["env.action"].view(n, -1, self.action_dim).expand(n, self.horizon, self.action_dim)
         if self.action_mode == "noise":
             torch.mul(a, self.noise_bound, out=b["policy.noise"])
             self.engine.step()
@@ -292,7 +301,10 @@ class FlashRTVectorEnv(VectorEnv):
     def _reset_info(self) -> dict[str, Any]:
         return {"instruction": self.bufs["sim.instruction"].cpu().numpy()}
 
-    def _check_action(self, actions: Any) -> torch.Tensor:
+    def _check_action(self, actions: Any) -> tuple[torch.Tensor, bool]:
+        """The actions as a tensor of the right shape and a floating dtype, and whether their
+        bounds were checked here: host actions for a GPU env are (never a wait on the GPU); the
+        others are checked by the step's guard, where they are, before anything of the step runs."""
         a = torch.as_tensor(np.asarray(actions) if not isinstance(actions, torch.Tensor) else actions)
         want = (self.num_envs, *self.single_action_space.shape)
         if tuple(a.shape) != want:
@@ -300,28 +312,34 @@ class FlashRTVectorEnv(VectorEnv):
             raise ValueError(f"actions must have shape {want} (num_envs, {what}), got {tuple(a.shape)}")
         if not a.is_floating_point():
             raise ValueError(f"actions must be floating point, got {a.dtype}")
+        if a.device.type != "cpu" or self.device.type == "cpu":
+            return a, False
+        # The space is symmetric (lo = -hi): one reduction, the largest magnitude. NaN fails it.
+        if not float(torch.linalg.vector_norm(a.flatten(), float("inf"))) <= self.single_action_space.high[0] + 1e-6:
+            self._reject(a)
+        return a, True
+
+    def _reject(self, actions: torch.Tensor) -> None:
+        if not torch.isfinite(actions).all():
+            raise ValueError("actions contain NaN or infinity")
         lo, hi = float(self.single_action_space.low[0]), float(self.single_action_space.high[0])
-        # Checked where the actions are (host actions never wait on the GPU): the space is
-        # symmetric (lo = -hi), so one reduction (the largest magnitude) and, for device actions,
-        # one read-back. NaN propagates through it and fails the bound.
-        if not float(torch.linalg.vector_norm(a.detach().flatten(), float("inf"))) <= hi + 1e-6:
-            if not torch.isfinite(a).all():
-                raise ValueError("actions contain NaN or infinity")
-            raise ValueError(f"actions must lie in [{lo}, {hi}] (the action space); clip them first")
-        a = a.to(self.device, torch.float32)
-        return a.repeat(1, self.horizon) if self.repeat_over_horizon else a  # (n, horizon * action_dim)
+        raise ValueError(f"actions must lie in [{lo}, {hi}] (the action space); clip them first")
 
     def step_torch(self, actions: torch.Tensor) -> tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor, dict]:
         """The step on device tensors (for learners that keep everything on the GPU): returns
-        observation(s), reward, terminated, truncated as tensors (copies) and a tensor info."""
+        observation(s), reward, terminated, truncated as tensors (copies) and a tensor info.
+
+        Device actions are checked on the device by the step's guard, in the same launch: the
+        call waits until the guard has run (not for the step) to know whether the step runs; a
+        bad action raises and leaves the state untouched. Host actions are checked before the
+        upload."""
         if not self._started:
             raise RuntimeError("call reset() before step()")
-        self.bufs["env.action"].copy_(self._check_action(actions))
+        a, checked = self._check_action(actions)
+        self.bufs["env.action"].copy_(a)
         if self._key not in self._graph:
-            self._graph.capture(self._key, self._program)
+            self._graph.capture(self._key, self._program, guard=self._action_guard)
         self._graph.replay(self._key)
-        if self.autoreset:  # the program's _take_starts
-            self._advance_next_start_bound()
         b = self.bufs
         out = (
             self._obs("obs", numpy=False),
@@ -331,8 +349,11 @@ class FlashRTVectorEnv(VectorEnv):
         )
         info: dict[str, Any] = {}
         if self.autoreset:
-            done = out[2] | out[3]
-            info = {"final_obs": self._obs("final", numpy=False), "_final_obs": done}
+            info = {"final_obs": self._obs("final", numpy=False), "_final_obs": out[2] | out[3]}
+        if not checked and not self._graph.held(self._key):
+            self._reject(a)
+        if self.autoreset:  # the program's _take_starts
+            self._advance_next_start_bound()
             self._refresh_pool()
         return (*out, info)
 

@@ -14,6 +14,12 @@ Backends, one interface:
 
 Capture has no side effect on the bound state: warm-up runs would otherwise advance it, so
 the state arenas of every bound set are saved before warm-up and put back after capture.
+
+A variant may be *guarded*: a guard callable (captured first) writes a one-byte flag, and a
+replay runs the body only where the flag is set (CUDA: one launch, the body a conditional node,
+see :mod:`runtime.guarded`; eager: an ``if``). :meth:`Graph.held` then says whether it ran. This is
+how a step rejects a bad input read on the device without a host round trip before the launch,
+leaving the state untouched.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from typing import Literal
 import torch
 
 from runtime.buffers import BufferSet
+from runtime.guarded import GuardedGraph
 from runtime.streams import Stream
 
 Backend = Literal["auto", "cuda", "eager"]
@@ -45,6 +52,7 @@ class _Variant:
     owned: bool
     cuda_graph: torch.cuda.CUDAGraph | None = None
     ptrs: dict[tuple[str, str], int] = field(default_factory=dict)
+    held: Callable[[], bool] | None = None
 
 
 class Graph:
@@ -121,13 +129,34 @@ class Graph:
 
     # -- variants ----------------------------------------------------------------------------
     def capture(
-        self, key: Hashable, fn: Callable[[], object], *, warmup: int = 2, stream: Stream | None = None
+        self,
+        key: Hashable,
+        fn: Callable[[], object],
+        *,
+        warmup: int = 2,
+        stream: Stream | None = None,
+        guard: Callable[[], torch.Tensor] | None = None,
     ) -> None:
         """Record ``fn`` (which must only touch bound buffers and allocate nothing that outlives
-        it) as the variant ``key``. Re-capturing a key replaces it."""
+        it) as the variant ``key``. Re-capturing a key replaces it.
+
+        ``guard``, if given, is recorded before ``fn`` and returns a one-byte (bool or uint8)
+        flag in a bound buffer that it writes; a replay then runs ``fn`` only where the flag is
+        set, and :meth:`held` reports whether it did. ``fn`` must not draw from torch's random
+        generators when guarded (their offsets advance only through ``CUDAGraph.replay``)."""
         hash(key)
         if self.backend == "eager":
-            self._put(key, _Variant(run=fn, owned=True, ptrs=self._ptrs()))
+            if guard is None:
+                self._put(key, _Variant(run=fn, owned=True, ptrs=self._ptrs()))
+                return
+            ran: list[bool] = [False]
+
+            def run() -> None:
+                ran[0] = bool(guard())
+                if ran[0]:
+                    fn()
+
+            self._put(key, _Variant(run=run, owned=True, ptrs=self._ptrs(), held=lambda: ran[0]))
             return
         device = self.device
         if device.type != "cuda":
@@ -137,17 +166,31 @@ class Graph:
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
             for _ in range(warmup):
+                if guard is not None:
+                    guard()
                 fn()
         torch.cuda.current_stream(device).wait_stream(side)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, pool=self._pool, stream=side, capture_error_mode="thread_local"):
-            fn()
+        if guard is None:
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=self._pool, stream=side, capture_error_mode="thread_local"):
+                fn()
+            variant = _Variant(run=g.replay, owned=True, cuda_graph=g)
+        else:
+            parts = []
+            for part in (guard, fn):  # one pool, replayed in capture order
+                g = torch.cuda.CUDAGraph(keep_graph=True)
+                with torch.cuda.graph(g, pool=self._pool, stream=side, capture_error_mode="thread_local"):
+                    out = part()
+                parts.append((g, out))
+            guarded = GuardedGraph(parts[0][0], parts[1][0], parts[0][1])
+            variant = _Variant(run=guarded.launch, owned=True, cuda_graph=parts[1][0], held=guarded.held)
         for b, slot_arena, shared_arena in saved:
             b.slot_arena.copy_(slot_arena)
             b.shared_arena.copy_(shared_arena)
-        self._put(key, _Variant(run=g.replay, owned=True, cuda_graph=g, ptrs=self._ptrs()))
+        variant.ptrs = self._ptrs()
+        self._put(key, variant)
 
     def adopt(self, key: Hashable, cuda_graph: torch.cuda.CUDAGraph) -> None:
         """Register a ``torch.cuda.CUDAGraph`` captured elsewhere as the variant ``key``. The
@@ -178,6 +221,14 @@ class Graph:
         else:
             with stream:
                 v.run()
+
+    def held(self, key: Hashable) -> bool:
+        """Whether the last replay of the guarded variant ``key`` ran its body (its guard held);
+        waits for that replay to finish."""
+        v = self._variants.get(key)
+        if v is None or v.held is None:
+            raise ValueError(f"graph {self.name!r}: variant {key!r} is not a captured guarded variant")
+        return v.held()
 
     def _put(self, key: Hashable, v: _Variant) -> None:
         self._variants.pop(key, None)

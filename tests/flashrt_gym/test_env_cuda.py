@@ -47,3 +47,21 @@ def test_capsule_restore_and_fork_under_replay_are_exact():
     env.fork(4, range(16))
     obs, *_ = env.step(np.zeros((16, 16), np.float32))
     assert all(np.array_equal(obs[i], obs[4]) for i in range(16))
+
+
+@pytest.mark.parametrize(("bad", "match"), [(float("nan"), "NaN"), (1.5, r"must lie in \[-1.0, 1.0\]")])
+def test_bad_device_actions_are_refused_by_the_guard_and_the_state_is_untouched(bad, match):
+    kw = {"device": "cuda", "pool_size": 16}
+    env, eager = FlashRTVectorEnv(4, **kw), FlashRTVectorEnv(4, graphs=False, **kw)
+    env.reset(seed=2)
+    eager.reset(seed=2)
+    good = torch.full((4, 16), 0.25, device="cuda")
+    run(env, [good])  # captured
+    before = (env.bufs.slot_arena.clone(), env.bufs.shared_arena.clone())
+    wrong = good.clone()
+    wrong[2, 5] = bad
+    for _ in range(2):
+        with pytest.raises(ValueError, match=match):
+            env.step_torch(wrong)
+    assert torch.equal(before[0], env.bufs.slot_arena) and torch.equal(before[1], env.bufs.shared_arena)
+    assert equal(run(env, [good, -good]), run(eager, [good, good, -good])[1:])

@@ -138,3 +138,30 @@ def test_host_tier_round_trip_and_registry_promotion(tmp_path):
     toy.scramble(b)
     restore(b, disk)
     assert torch.equal(b.slot_arena, ref[0])
+
+
+@pytest.mark.parametrize("conditional", [True, False], ids=["conditional-node", "host-read-guard"])
+def test_a_guarded_graph_runs_its_body_only_where_the_guard_holds(conditional, monkeypatch):
+    import runtime.guarded
+    from kernels import nvcc
+
+    if conditional and nvcc.find() is None:
+        pytest.skip("needs the CUDA toolkit's nvcc")
+    if not conditional:
+        monkeypatch.setattr(runtime.guarded, "_library", lambda capability: None)
+    b = toy.make(8, "cuda")
+    gate, ok = torch.zeros(1, device="cuda"), torch.zeros(1, dtype=torch.bool, device="cuda")
+    g = Graph("toy").bind("state", b)
+    g.capture(1, lambda: toy.step(b), guard=lambda: torch.gt(gate, 0, out=ok))
+    assert g._variants[1].run.__self__.conditional is conditional
+    before = toy.state_bytes(b)
+    for _ in range(3):
+        g.replay(1)
+        assert not g.held(1)
+    assert torch.equal(b.slot_arena, before[0]) and torch.equal(b.shared_arena, before[1])
+    gate.fill_(1.0)
+    for _ in range(5):
+        g.replay(1)
+        assert g.held(1)
+    eager = replayed(8, 5, "eager")
+    assert torch.equal(b.slot_arena, eager.slot_arena) and torch.equal(b.shared_arena, eager.shared_arena)

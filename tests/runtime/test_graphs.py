@@ -94,3 +94,35 @@ def test_two_graphs_bound_to_one_set_hand_off_without_copies():
     actor.replay(1)
     assert torch.equal(io["act"], torch.arange(12.0).view(3, 4) * 2 + 1)
     assert io["plan"].data_ptr() == ptr
+
+
+def guarded(backend: str, device: str) -> tuple[toy.BufferSet, Graph, torch.Tensor]:
+    b = toy.make(4, device)
+    gate, ok = torch.zeros(1, device=device), torch.zeros(1, dtype=torch.bool, device=device)
+    g = Graph("toy", backend=backend).bind("state", b)
+    g.capture(1, lambda: toy.step(b), guard=lambda: torch.gt(gate, 0, out=ok))
+    return b, g, gate
+
+
+def test_a_guarded_variant_runs_its_body_only_where_the_guard_holds():
+    b, g, gate = guarded("eager", "cpu")
+    before = toy.state_bytes(b)
+    g.replay(1)
+    assert not g.held(1)
+    assert torch.equal(b.slot_arena, before[0]) and torch.equal(b.shared_arena, before[1])
+    gate.fill_(1.0)
+    g.replay(1)
+    assert g.held(1)
+    ref = toy.make(4)
+    toy.step(ref)
+    assert torch.equal(b.slot_arena, ref.slot_arena) and torch.equal(b.shared_arena, ref.shared_arena)
+
+
+def test_held_names_a_variant_without_a_guard():
+    b = toy.make(2)
+    g = Graph("toy").bind("state", b)
+    g.capture(1, lambda: toy.step(b))
+    g.replay(1)
+    for key in (1, 2):
+        with pytest.raises(ValueError, match="not a captured guarded variant"):
+            g.held(key)
