@@ -10,7 +10,7 @@ a pool of pre-encoded episode starts. Reset, fork, rollback and interrupts are b
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -131,20 +131,28 @@ class FlashRTVectorEnv(VectorEnv):
         backend = "auto" if graphs else "eager"
         n, sd = self.num_envs, self.task.state_dim
         agent_dim = c.action_dim if self.repeat_over_horizon else c.horizon * c.action_dim
+        self._obs_forms = ("state", "features", "rgb") if obs_mode == "dict" else (obs_mode,)
+        forms = {
+            "state": ((n, sd), torch.float32),
+            "features": ((n, c.width + 2), torch.float32),
+            "rgb": ((n, c.image_size, c.image_size, 3), torch.uint8),
+        }
+        # What a step returns lies back to back (one copy reads it out): the outputs, then the
+        # observation forms obs_mode returns, then (with autoreset) their final forms.
+        flags = ["env.out_terminated", "env.out_truncated"] + (["env.out_done"] if autoreset else [])
+        views = [f"env.{p}_{k}" for p in (("obs", "final") if autoreset else ("obs",)) for k in self._obs_forms]
+        out_specs = [
+            scratch("env.out_reward", (n,)),
+            *(scratch(name, (n,), torch.bool) for name in flags),
+            *(scratch(name, *forms[name.rsplit("_", 1)[1]]) for name in views),
+        ]
+        self._out_names = tuple(spec.name for spec in out_specs)
         self._extra: list[BufferSpec] = [
             scratch("env.action", (n, agent_dim)),  # the agent's actions, as given
             scratch("env.action_ok", (1,), torch.bool),  # the step's guard: every action in bounds
-            scratch("env.out_reward", (n,)),
-            scratch("env.out_terminated", (n,), torch.bool),
-            scratch("env.out_truncated", (n,), torch.bool),
             shared("env.next_start", (n,), torch.int64),
+            *out_specs,
         ]
-        for prefix in ("obs", "final"):
-            self._extra += [
-                scratch(f"env.{prefix}_state", (n, sd)),
-                scratch(f"env.{prefix}_features", (n, c.width + 2)),
-                scratch(f"env.{prefix}_rgb", (n, c.image_size, c.image_size, 3), torch.uint8),
-            ]
         kw = {"n_action_steps": n_action_steps, "max_episode_steps": max_episode_steps, "backend": backend}
         self.engine = Engine(self.task, model, weights_id, n, extra_specs=self._extra, **kw)
         self.bufs = self.engine.bufs
@@ -174,7 +182,6 @@ class FlashRTVectorEnv(VectorEnv):
         }[obs_mode]
         self.action_space = gym.vector.utils.batch_space(self.single_action_space, n)
         self.observation_space = gym.vector.utils.batch_space(self.single_observation_space, n)
-        self._obs_forms = ("state", "features", "rgb") if obs_mode == "dict" else (obs_mode,)
         self._graph = runtime.Graph("env.step", backend=backend).bind("state", self.bufs)
         self._key = (n, action_mode, autoreset)
         self._started = False
@@ -215,8 +222,7 @@ class FlashRTVectorEnv(VectorEnv):
         b["env.out_truncated"].copy_(b["env.truncated"])
         if self.autoreset:
             self._write_obs("final")
-            done = b["env.terminated"] | b["env.truncated"]
-            self._take_starts(done)
+            self._take_starts(torch.logical_or(b["env.terminated"], b["env.truncated"], out=b["env.out_done"]))
         self._write_obs("obs")
 
     def _take_starts(self, mask: torch.Tensor) -> None:
@@ -333,6 +339,29 @@ class FlashRTVectorEnv(VectorEnv):
         call waits until the guard has run (not for the step) to know whether the step runs; a
         bad action raises and leaves the state untouched. Host actions are checked before the
         upload."""
+        out = self._step(actions)
+        info: dict[str, Any] = {}
+        if self.autoreset:
+            info = {"final_obs": self._pick(out, "final"), "_final_obs": out["env.out_done"]}
+        return self._pick(out, "obs"), out["env.out_reward"], out["env.out_terminated"], out["env.out_truncated"], info
+
+    def step(self, actions: Any):
+        out = {k: v.numpy() for k, v in self._step(torch.as_tensor(np.asarray(actions)), host=True).items()}
+        info: dict[str, Any] = {}
+        if self.autoreset:
+            done = out["env.out_done"]
+            if done.any():
+                info = {
+                    "final_obs": self._pick(out, "final"),
+                    "_final_obs": done,
+                    "final_info": {"is_success": out["env.out_terminated"], "_is_success": done},
+                    "_final_info": done,
+                }
+        return self._pick(out, "obs"), out["env.out_reward"], out["env.out_terminated"], out["env.out_truncated"], info
+
+    def _step(self, actions: Any, host: bool = False) -> dict[str, torch.Tensor]:
+        """One replay; copies of what it returns (``self._out_names``), on the host in one transfer
+        if ``host``."""
         if not self._started:
             raise RuntimeError("call reset() before step()")
         a, checked = self._check_action(actions)
@@ -340,42 +369,23 @@ class FlashRTVectorEnv(VectorEnv):
         if self._key not in self._graph:
             self._graph.capture(self._key, self._program, guard=self._action_guard)
         self._graph.replay(self._key)
-        b = self.bufs
-        out = (
-            self._obs("obs", numpy=False),
-            b["env.out_reward"].clone(),
-            b["env.out_terminated"].clone(),
-            b["env.out_truncated"].clone(),
-        )
-        info: dict[str, Any] = {}
-        if self.autoreset:
-            info = {"final_obs": self._obs("final", numpy=False), "_final_obs": out[2] | out[3]}
+        out = self.bufs.clone(self._out_names, "cpu" if host else None)  # one copy, queued behind the step
         if not checked and not self._graph.held(self._key):
             self._reject(a)
         if self.autoreset:  # the program's _take_starts
             self._advance_next_start_bound()
             self._refresh_pool()
-        return (*out, info)
+        return out
 
-    def step(self, actions: Any):
-        obs, reward, term, trunc, tinfo = self.step_torch(torch.as_tensor(np.asarray(actions)))
-        info: dict[str, Any] = {}
-        if self.autoreset:
-            done = tinfo["_final_obs"].cpu().numpy()
-            if done.any():
-                info = {
-                    "final_obs": _to_numpy(tinfo["final_obs"]),
-                    "_final_obs": done,
-                    "final_info": {"is_success": term.cpu().numpy(), "_is_success": done},
-                    "_final_info": done,
-                }
-        return _to_numpy(obs), reward.cpu().numpy(), term.cpu().numpy(), trunc.cpu().numpy(), info
+    def _pick(self, out: Mapping[str, torch.Tensor], prefix: str) -> Any:
+        """The observation (``obs_mode``'s form, or the dict of forms) among ``out``'s copies."""
+        parts = {k: out[f"env.{prefix}_{k}"] for k in self._obs_forms}
+        return parts if self.obs_mode == "dict" else parts[self.obs_mode]
 
-    def _obs(self, prefix: str, numpy: bool = True):
-        b = self.bufs
-        parts = {k: b[f"env.{prefix}_{k}"].clone() for k in self._obs_forms}
-        obs = parts if self.obs_mode == "dict" else parts[self.obs_mode]
-        return _to_numpy(obs) if numpy else obs
+    def _obs(self, prefix: str) -> Any:
+        """The current observation as NumPy arrays (one transfer)."""
+        out = self.bufs.clone([f"env.{prefix}_{k}" for k in self._obs_forms], "cpu")
+        return self._pick({k: v.numpy() for k, v in out.items()}, prefix)
 
     def render(self) -> np.ndarray | None:
         """(num_envs, H, W, 3) uint8 frames of the current observations."""
@@ -436,12 +446,6 @@ class FlashRTVectorEnv(VectorEnv):
         self.engine.set_text(instr)
         self._write_obs("obs")
         return self._obs("obs")
-
-
-def _to_numpy(obs: Any) -> Any:
-    if isinstance(obs, dict):
-        return {k: v.cpu().numpy() for k, v in obs.items()}
-    return obs.cpu().numpy()
 
 
 class FlashRTEnv(gym.Env):

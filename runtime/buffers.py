@@ -240,6 +240,29 @@ class BufferSet(Mapping[str, torch.Tensor]):
         """Current data pointer of every buffer (the debug check of :class:`runtime.Graph`)."""
         return {n: t.data_ptr() for n, t in self._tensors.items()}
 
+    def clone(self, names: Sequence[str], device: torch.device | str | None = None) -> dict[str, torch.Tensor]:
+        """Copies of the named ``shared`` or ``scratch`` buffers (of one arena), made by one copy
+        of the arena's byte span that holds them all (on ``device``, default the set's): declare
+        buffers that are read out together next to each other, so that the span is tight. The
+        copies share one fresh storage."""
+        missing = [n for n in names if n not in self.placements]
+        if missing:
+            raise KeyError(f"no buffers named {missing}; this set has {sorted(self.placements)}")
+        places = [self.placements[n] for n in names]
+        kinds = sorted({p.spec.kind for p in places})
+        if not places or kinds not in (["shared"], ["scratch"]):
+            raise ValueError(
+                f"clone takes one or more buffers of one arena, shared or scratch (slot buffers are strided "
+                f"along the slot dimension: clone them one by one); got kinds {kinds} for {list(names)}"
+            )
+        arena = self.shared_arena if kinds == ["shared"] else self.scratch_arena
+        lo = min(p.offset for p in places)
+        span = arena[lo : max(p.offset + p.spec.nbytes for p in places)].to(device or self.device, copy=True)
+        return {
+            n: span[p.offset - lo : p.offset - lo + p.spec.nbytes].view(p.spec.dtype).view(p.spec.shape)
+            for n, p in zip(names, places, strict=True)
+        }
+
     # -- whole-set operations ---------------------------------------------------------------
     def zero_(self) -> BufferSet:
         """Zero every arena in place."""

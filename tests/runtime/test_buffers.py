@@ -78,3 +78,32 @@ def test_copy_from_needs_matching_layout():
     b = toy.make(3)
     with pytest.raises(ValueError, match="make the destination with src.mirror"):
         BufferSet([slot("x", (3,)), shared("t", ()), scratch("s", (1,))], 3).copy_from(b)
+
+
+def test_clone_copies_buffers_of_one_arena_in_one_span():
+    specs = [
+        scratch("a", (3,)),
+        scratch("flag", (3,), torch.bool),
+        scratch("img", (2, 2), torch.uint8),
+        shared("tick", (), torch.int64),
+        slot("pos", (2,)),
+    ]
+    b = BufferSet(specs, num_slots=2)
+    b["a"].copy_(torch.tensor([1.0, 2.0, 3.0]))
+    b["flag"].copy_(torch.tensor([True, False, True]))
+    b["img"].copy_(torch.arange(4, dtype=torch.uint8).view(2, 2))
+    out = b.clone(["img", "a"])
+    assert list(out) == ["img", "a"]
+    assert torch.equal(out["a"], b["a"]) and torch.equal(out["img"], b["img"]) and out["img"].dtype == torch.uint8
+    assert out["a"].untyped_storage().data_ptr() == out["img"].untyped_storage().data_ptr()  # one copy
+    assert out["a"].untyped_storage().data_ptr() != b.scratch_arena.data_ptr()
+    b["a"].zero_()  # copies, not views of the buffers
+    assert out["a"].tolist() == [1.0, 2.0, 3.0]
+    with pytest.raises(ValueError, match="one arena, shared or scratch"):
+        b.clone(["a", "tick"])
+    with pytest.raises(ValueError, match="slot buffers are strided"):
+        b.clone(["pos"])
+    with pytest.raises(ValueError, match="one or more buffers"):
+        b.clone([])
+    with pytest.raises(KeyError, match=r"no buffers named \['nope'\]"):
+        b.clone(["a", "nope"])
