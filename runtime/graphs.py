@@ -32,7 +32,7 @@ from typing import Literal
 import torch
 
 from runtime.buffers import BufferSet
-from runtime.guarded import GuardedGraph
+from runtime.guarded import GuardedGraph, new_graph
 from runtime.streams import Stream
 
 Backend = Literal["auto", "cuda", "eager"]
@@ -180,7 +180,7 @@ class Graph:
         else:
             parts = []
             for part in (guard, fn):  # one pool, replayed in capture order
-                g = torch.cuda.CUDAGraph(keep_graph=True)
+                g = new_graph()
                 with torch.cuda.graph(g, pool=self._pool, stream=side, capture_error_mode="thread_local"):
                     out = part()
                 parts.append((g, out))

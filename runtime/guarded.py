@@ -43,10 +43,19 @@ def _library(capability: tuple[int, int]) -> ctypes.CDLL | None:
     return lib
 
 
+def new_graph() -> torch.cuda.CUDAGraph:
+    """A ``torch.cuda.CUDAGraph`` that keeps its ``cudaGraph_t`` after capture (what
+    :class:`GuardedGraph` builds on), where this torch can (``keep_graph``, torch >= 2.8)."""
+    try:
+        return torch.cuda.CUDAGraph(keep_graph=True)
+    except TypeError:
+        return torch.cuda.CUDAGraph()
+
+
 class GuardedGraph:
-    """``guard`` then, if the byte at ``flag`` is non-zero, ``body``: two captured
-    ``torch.cuda.CUDAGraph`` (``keep_graph=True``, not yet instantiated, sharing one memory pool
-    in capture order) run as one launch.
+    """``guard`` then, if the byte at ``flag`` is non-zero, ``body``: two graphs captured with
+    :func:`new_graph` (not yet replayed, sharing one memory pool in capture order) run as one
+    launch.
 
     Args:
         guard: the captured guard; it writes ``flag``.
@@ -68,11 +77,19 @@ class GuardedGraph:
         self._launches = 0
         self._exec: ctypes.c_void_p | None = None
         self._lib = _library(torch.cuda.get_device_capability(flag.device))
-        if self._lib is not None:
+        try:
+            raw = (guard.raw_cuda_graph(), body.raw_cuda_graph())
+        except (AttributeError, RuntimeError):  # torch < 2.8 drops the cudaGraph_t at capture end
+            raw = None
+            warnings.warn(
+                "runtime.guarded: this torch cannot keep a captured graph (keep_graph, torch >= 2.8); the "
+                "guard is read on the host instead",
+                stacklevel=2,
+            )
+        if self._lib is not None and raw is not None:
             exec_ = ctypes.c_void_p()
             err = self._lib.flashrt_guarded_graph(
-                guard.raw_cuda_graph(),
-                body.raw_cuda_graph(),
+                *raw,
                 flag.data_ptr(),
                 self._count.data_ptr(),
                 self._mirror.data_ptr(),
