@@ -35,9 +35,11 @@ MAX_CONTEXT = 152
 """The shapes the kernel is compiled for (``tiny``'s expert: one key/value head), and the most
 context keys it takes (10 chunks of 16 keys with the 8 own keys)."""
 MAX_SLOTS = 1
-"""Most slots a call takes it for. One cluster of 8 CTAs a slot; at 16 slots (128 CTAs) the
-weight loads no longer overlap the kernel ahead and the Triton layer is faster (27.5 against
-15.6 us a layer on an H200, measured at kernel version 0.8.0)."""
+"""Most slots a call takes it for (one cluster of 8 CTAs a slot). At kernel version 0.9.0 on an
+H200 it beats the Triton layers up to 8 slots in a chain of layers (10.5 against 15.2 us a layer
+at 8; at 16 slots, 128 CTAs, the weight loads no longer overlap the kernel ahead: 19.5 against
+15.9), but with 8 slots the env's captured and eager trajectories differed, a hazard not yet
+found (docs/PERFORMANCE.md), so it stays at one slot."""
 _SHAPES = (
     (WIDTH,),
     ((HEADS + 2) * HEAD_DIM, WIDTH),

@@ -140,10 +140,11 @@ class Graph:
         """Record ``fn`` (which must only touch bound buffers and allocate nothing that outlives
         it) as the variant ``key``. Re-capturing a key replaces it.
 
-        ``guard``, if given, is recorded before ``fn`` and returns a one-byte (bool or uint8)
-        flag in a bound buffer that it writes; a replay then runs ``fn`` only where the flag is
-        set, and :meth:`held` reports whether it did. ``fn`` must not draw from torch's random
-        generators when guarded (their offsets advance only through ``CUDAGraph.replay``)."""
+        ``guard``, if given, is recorded before ``fn`` and returns the one-byte (bool or uint8)
+        flag it writes, a tensor that outlives the variant (a bound buffer, say); a replay then
+        runs ``fn`` only where the flag is set, and :meth:`held` reports whether it did. ``fn``
+        must not draw from torch's random generators when guarded (their offsets advance only
+        through ``CUDAGraph.replay``)."""
         hash(key)
         if self.backend == "eager":
             if guard is None:
@@ -223,8 +224,8 @@ class Graph:
                 v.run()
 
     def held(self, key: Hashable) -> bool:
-        """Whether the last replay of the guarded variant ``key`` ran its body (its guard held);
-        waits for that replay to finish."""
+        """Whether the last replay of the guarded variant ``key`` runs its body (its guard held);
+        waits until that replay's guard has run, not for the body."""
         v = self._variants.get(key)
         if v is None or v.held is None:
             raise ValueError(f"graph {self.name!r}: variant {key!r} is not a captured guarded variant")
