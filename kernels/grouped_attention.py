@@ -244,6 +244,25 @@ if triton is not None:
         tl.store(dst, o.to(out.dtype.element_ty), mask=live[:, None])
 
 
+def _tiles(rows: int, groups: int, keys: int, d: int, itemsize: int, sms: int) -> tuple[int, int, int, int]:
+    """Launch shape ``(BM, BN, num_warps, num_stages)`` of :func:`attention_triton` for ``groups``
+    (slots x key/value heads) of ``rows`` query rows (heads in a group x tokens) over ``keys``
+    keys of head dim ``d``, on a GPU with ``sms`` SMs. Measured on an H200 (docs/PERFORMANCE.md)."""
+    one_block = max(16, triton.next_power_of_2(keys))
+    bm = max(16, min(64 if d <= 128 else 32, triton.next_power_of_2(rows)))
+    if rows <= 32 and 2 * groups <= sms and one_block * d * itemsize <= 32768:
+        # Few query rows (tiny's expert at up to 64 slots): 16-row programs, so a group's heads run
+        # on separate SMs, each reading every key in one block of at most 32 KB (nothing to
+        # pipeline). 4.8 against 6.5 us a call at one slot in a captured chain of dependent
+        # launches.
+        return 16, one_block, 4 if d <= 128 else 8, 1
+    if d <= 64 and triton.cdiv(rows, bm) * groups >= sms:  # throughput-bound: many programs
+        return bm, 32, 2 if bm <= 32 else 4, 3  # the fastest launch shape at 1024 and 4096 slots
+    if d <= 128:  # few programs
+        return bm, 128 if d <= 64 and bm > 32 else 64, 4, 3
+    return bm, 32, 8, 3
+
+
 def attention_triton(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -272,18 +291,8 @@ def attention_triton(
         sm_strides = (0, 0) if sm is None else m8.stride()
         args += [sk, sv, m8, *([start] if i else []), *sk.stride()[:3], *sv.stride()[:3], *sm_strides]
         start += sk.shape[2] if real else 0
-    group = h // g
-    sms, one_block = sm_count(q.device), max(16, triton.next_power_of_2(start))
-    bm = max(16, min(64 if d <= 128 else 32, triton.next_power_of_2(group * tq)))
-    bn, warps, stages = (128 if d <= 64 and bm > 32 else 64, 4, 3) if d <= 128 else (32, 8, 3)  # few programs
-    if group * tq <= 32 and 2 * n * g <= sms and one_block * d * q.element_size() <= 32768:
-        # Few query rows (tiny's expert at up to 64 slots): 16-row programs, so a group's heads run
-        # on separate SMs, each reading every key in one block of at most 32 KB (nothing to
-        # pipeline). 4.8 against 6.5 us a call at one slot in a captured chain of dependent
-        # launches on an H200 (docs/PERFORMANCE.md).
-        bm, bn, stages = 16, one_block, 1
-    elif d <= 64 and triton.cdiv(group * tq, bm) * n * g >= sms:  # throughput-bound: many programs
-        bn, warps = 32, 2 if bm <= 32 else 4  # the fastest launch shape at 1024 and 4096 slots on an H200
+    group, sms = h // g, sm_count(q.device)
+    bm, bn, warps, stages = _tiles(group * tq, n * g, start, d, q.element_size(), sms)
     grid = (triton.cdiv(group * tq, bm), n * g)
     rows = [x for src in sources for x in src[:2]]
     aligned = all(
