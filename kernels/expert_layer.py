@@ -127,9 +127,15 @@ def expert_layer(
     """One decoder layer over ``x`` (N, 8, 192) in place (returned), attending to ``context``
     (up to three segments of keys/values (N, 1, T_i, 64) and bool masks (N, T_i) or None) and to
     its own tokens at positions ``pos0 + t`` ((N,) int64); as ``policies.model.DecoderLayer.forward``
-    computes it. ``weights``: norm1, q/k/v, o, norm2, gate/up, down (:func:`runs_for`); ``eps``:
-    the two norms' epsilons. Call it where :func:`fits` holds."""
+    computes it, with ``inv_freq`` the (32,) float32 rotary frequencies. ``weights``: norm1, q/k/v, o,
+    norm2, gate/up, down (:func:`runs_for`); ``eps``: the two norms' epsilons. Call it where
+    :func:`fits` holds."""
     check_positions(pos0, x.shape[0], "expert_layer")
+    if inv_freq.shape != (HEAD_DIM // 2,) or inv_freq.dtype != torch.float32 or inv_freq.device != x.device:
+        raise ValueError(
+            f"expert_layer: inv_freq must be ({HEAD_DIM // 2},) float32 on {x.device} (the kernel reads float32), "
+            f"got {tuple(inv_freq.shape)} {inv_freq.dtype} on {inv_freq.device}; FlowPolicy keeps its inv_freq float32"
+        )
     lib = _library()
     p = _Params()
     p.x, p.pos0, p.inv_freq = x.data_ptr(), pos0.data_ptr(), inv_freq.data_ptr()

@@ -247,11 +247,26 @@ class FlowPolicy(nn.Module):
         )
         self.expert_norm = RMSNorm(c.expert_width)
         self.action_out = nn.Linear(c.expert_width, c.action_dim)
-        inv_freq = c.rope_theta ** (-torch.arange(0, c.head_dim, 2, dtype=torch.float32) / c.head_dim)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)  # (d/2,) rotary frequencies
+        self.register_buffer("inv_freq", self._rope_frequencies(), persistent=False)  # (d/2,) float32
         self._flow = Folded(self._fold_flow, *self.action_in.parameters(), *self.time_in.parameters(),
                             *self.action_out.parameters())  # fmt: skip
         self.apply(self._init)
+
+    def _rope_frequencies(self) -> torch.Tensor:
+        """(d/2,) float32 rotary frequencies ``theta ** (-2i / d)``, computed on the CPU (the same
+        bits wherever the model then lives)."""
+        c = self.cfg
+        return c.rope_theta ** (-torch.arange(0, c.head_dim, 2, dtype=torch.float32) / c.head_dim)
+
+    def _apply(self, fn, recurse: bool = True) -> FlowPolicy:
+        """Module conversions (``.to(dtype)``, ``.bfloat16()``, ...) move the rotary frequencies
+        but keep them float32, as training computes the angles: rounded to bf16 a frequency is off
+        by up to 2^-9 of itself, so a position's angle is off by radians after a few thousand
+        tokens (an episode's late frames), and ``kernels.expert_layer`` reads them as float32."""
+        super()._apply(fn, recurse)
+        if self.inv_freq.dtype != torch.float32:
+            self.inv_freq = self._rope_frequencies().to(self.inv_freq.device)
+        return self
 
     @staticmethod
     def _init(m: nn.Module) -> None:

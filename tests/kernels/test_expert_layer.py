@@ -88,9 +88,21 @@ def test_a_failed_build_warns_and_leaves_the_triton_layers(tmp_path, monkeypatch
         el._library.cache_clear()
 
 
+def test_refuses_rotary_frequencies_it_would_misread():
+    """The kernel reads (32,) float32 frequencies; a bf16 tensor would be read as float32 pairs
+    and past its end, so it is refused before any launch."""
+    model, prefix, x, pos0 = expert_inputs("cpu")
+    layer = model.expert[0]
+    args = (x, pos0, model.inv_freq.bfloat16(), layer_segments(prefix, 0), layer.fused_weights(), (1e-6, 1e-6))
+    with pytest.raises(ValueError, match=r"inv_freq must be \(32,\) float32 .* got \(32,\) torch.bfloat16"):
+        el.expert_layer(*args)
+
+
 @pytest.mark.cuda
-def test_matches_the_triton_layer_and_the_reference(cluster_kernel):
+@pytest.mark.parametrize("frame", [3, 60])  # 60: positions near 3 900, where wrong frequencies show most
+def test_matches_the_triton_layer_and_the_reference(cluster_kernel, frame):
     model, prefix, x, pos0 = expert_inputs("cuda")
+    pos0 = pos0 + (frame - 3) * model.cfg.frame_tokens
     with torch.no_grad():
         for i, layer in enumerate(model.expert):
             context = layer_segments(prefix, i)

@@ -167,6 +167,20 @@ def test_weights_round_trip_and_mismatches_are_named(tmp_path):
         load(tmp_path / "c")
 
 
+def test_rotary_frequencies_stay_float32_when_the_weights_are_converted(tmp_path):
+    """Training computes the angles from float32 frequencies; a bf16 deployment must too (rounded
+    to bf16 they put a late frame's angles radians off), and the CUDA expert layer reads float32."""
+    model = FlowPolicy(config())
+    want = model.inv_freq.clone()
+    assert want.dtype == torch.float32
+    for convert in (lambda m: m.to(torch.bfloat16), lambda m: m.half(), lambda m: m.to("cpu", torch.float64)):
+        m = convert(FlowPolicy(config()))
+        assert m.inv_freq.dtype == torch.float32 and torch.equal(m.inv_freq, want)
+    save(model, tmp_path / "w")
+    loaded, _ = load(tmp_path / "w", dtype=torch.bfloat16)
+    assert loaded.dtype == torch.bfloat16 and torch.equal(loaded.inv_freq, want)
+
+
 def test_tokenizer_errors_name_the_problem():
     tok = WordTokenizer(["push", "the", "red"], max_len=3)
     ids, mask = tok.encode("Push the RED")
