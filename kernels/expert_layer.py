@@ -9,8 +9,8 @@ the CUDA toolkit's ``nvcc`` for sm_90a and loaded through ``ctypes`` (its launch
 current stream, so it is captured like any other kernel).
 
 :func:`fits` says whether a call can take it: an sm_90 GPU, ``nvcc`` found, no autograd, and
-exactly the shapes it is compiled for (``tiny``'s expert at one slot). Elsewhere the Triton
-kernels run. The kernel reads, before its wait, only what is written at least two kernels ahead
+exactly the shapes it is compiled for (``tiny``'s expert at up to :data:`MAX_SLOTS` slots).
+Elsewhere the Triton kernels run. The kernel reads, before its wait, only what is written at least two kernels ahead
 of it in a step (weights, the prefix's keys/values and masks, the positions); the kernel just
 ahead of an expert layer is the layer before it or the time MLP.
 """
@@ -34,12 +34,11 @@ WIDTH, HEADS, HEAD_DIM, TOKENS, MLP = 192, 4, 64, 8, 768
 MAX_CONTEXT = 152
 """The shapes the kernel is compiled for (``tiny``'s expert: one key/value head), and the most
 context keys it takes (10 chunks of 16 keys with the 8 own keys)."""
-MAX_SLOTS = 1
+MAX_SLOTS = 8
 """Most slots a call takes it for (one cluster of 8 CTAs a slot). At kernel version 0.9.0 on an
-H200 it beats the Triton layers up to 8 slots in a chain of layers (10.5 against 15.2 us a layer
-at 8; at 16 slots, 128 CTAs, the weight loads no longer overlap the kernel ahead: 19.5 against
-15.9), but with 8 slots the env's captured and eager trajectories differed, a hazard not yet
-found (docs/PERFORMANCE.md), so it stays at one slot."""
+H200 it beats the Triton layers up to 8 slots in a chain of layers (8.1 against 13.1-14.8 us a
+layer at 1-4 slots, 10.5 against 15.2 at 8); at 16 slots (128 CTAs) the weight loads no longer
+overlap the kernel ahead (19.5 against 15.9), so the Triton layers run there (docs/PERFORMANCE.md)."""
 _SHAPES = (
     (WIDTH,),
     ((HEADS + 2) * HEAD_DIM, WIDTH),

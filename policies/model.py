@@ -364,7 +364,7 @@ class FlowPolicy(nn.Module):
         """The expert's layers over the prefix (before its final norm): (N, H, E)."""
         for i, layer in enumerate(self.expert):
             context, weights = layer_segments(prefix, i), layer.fused_weights()
-            if expert_layer.fits(h, context, *weights):  # at one slot: one CUDA kernel a layer
+            if expert_layer.fits(h, context, *weights):  # at few slots: one CUDA kernel a layer
                 eps = (layer.norm1.eps, layer.norm2.eps)
                 h = expert_layer.expert_layer(h, pos0, self.inv_freq, context, weights, eps)
             else:

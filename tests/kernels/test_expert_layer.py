@@ -160,10 +160,11 @@ def test_masked_keys_are_ignored(cluster_kernel):
 
 @pytest.mark.cuda
 def test_refuses_what_it_is_not_built_for(cluster_kernel):
-    model, prefix, x, _ = expert_inputs("cuda", slots=2)
+    model, prefix, x, _ = expert_inputs("cuda", slots=el.MAX_SLOTS + 1)
     layer, context = model.expert[0], layer_segments(prefix, 0)
     args = layer.fused_weights()
-    assert not el.fits(x, context, *args)  # two slots: the Triton layer is faster
+    assert not el.fits(x, context, *args)  # more slots: the Triton layers are faster
+    assert el.fits(x[:-1].contiguous(), [(k[:-1], v[:-1], m[:-1]) for k, v, m in context], *args)
     x1, ctx1 = x[:1].contiguous(), [(k[:1], v[:1], m[:1]) for k, v, m in context]
     assert el.fits(x1, ctx1, *args)
     assert not el.fits(x1.float(), ctx1, *args)
@@ -172,6 +173,33 @@ def test_refuses_what_it_is_not_built_for(cluster_kernel):
     assert not el.fits(x1, long, *args)
     with torch.enable_grad():
         assert not el.fits(x1, ctx1, *(a.detach().requires_grad_() for a in args))
+
+
+@pytest.mark.cuda
+def test_each_slot_of_a_many_slot_call_is_its_own_one_slot_call(cluster_kernel):
+    """A cluster a slot: every slot of an 8-slot call (its own residual, keys/values, instruction
+    mask, frame flags and position) equals the bytes of a one-slot call on that slot alone."""
+    slots = el.MAX_SLOTS
+    model, prefix, x, pos0 = expert_inputs("cuda", slots=slots, seed=5)
+    g = torch.Generator(device="cuda").manual_seed(5)
+    text = torch.rand(slots, model.cfg.max_text_len, device="cuda", generator=g) < 0.7
+    text[:, 0] = True
+    flags = (torch.arange(slots, device="cuda") % 3 != 1)[:, None].expand(-1, model.cfg.frame_tokens)
+    prefix = [(prefix[0][0], text), (prefix[1][0], flags), prefix[2]]
+    pos0 = pos0 + torch.arange(slots, device="cuda") * model.cfg.frame_tokens
+    layer = model.expert[4]
+    context = layer_segments(prefix, 4)
+    with torch.no_grad():
+        many = run_kernel(model, layer, x.clone(), pos0, context)
+        for i in range(slots):
+            one = run_kernel(
+                model,
+                layer,
+                x[i : i + 1].clone(),
+                pos0[i : i + 1],
+                [(k[i : i + 1], v[i : i + 1], m[i : i + 1]) for k, v, m in context],
+            )
+            assert torch.equal(one[0], many[i]), i
 
 
 @pytest.mark.cuda
