@@ -119,6 +119,32 @@ def test_matches_the_triton_layer_and_the_reference(cluster_kernel, frame):
             assert not torch.equal(got, x)  # the layer changed the residual stream in place of x's copy
 
 
+def rotary_deviation(model, layer, x, pos0, context, inv_freq):
+    """(kernel against the Triton layer, the Triton layer at pos0 against pos0 + 3 705): max abs."""
+    with torch.no_grad():
+        eps = (layer.norm1.eps, layer.norm2.eps)
+        got = el.expert_layer(x.clone(), pos0, inv_freq, context, layer.fused_weights(), eps)
+        want = layer(x.clone(), pos0, model.inv_freq, context)[0]
+        far = layer(x.clone(), pos0 + 57 * model.cfg.frame_tokens, model.inv_freq, context)[0]
+    return (got.float() - want.float()).abs().max().item(), (far.float() - want.float()).abs().max().item()
+
+
+@pytest.mark.cuda
+def test_rotary_angles_follow_the_triton_layer(cluster_kernel):
+    """With sharpened queries the attention depends on the rotary angles: moving the tokens 3 705
+    positions changes the layer's output many times more than the kernel deviates from the
+    Triton layer, so a wrong frequency or angle in the kernel shows (with random small weights
+    alone the attention is near uniform, which hid a misread of the frequencies)."""
+    model, prefix, x, pos0 = expert_inputs("cuda", seed=6)
+    layer = model.expert[1]
+    with torch.no_grad():
+        layer.q.weight.mul_(4)  # scores of std ~1 against the unit-variance context keys
+    deviation, shift = rotary_deviation(model, layer, x, pos0, layer_segments(prefix, 1), model.inv_freq)
+    # H200: deviation 0.016 (one bf16 step), shift 0.22; the old misread of bf16 frequencies: 0.20
+    assert deviation < 0.05, deviation
+    assert shift > 0.15, shift  # the test is sensitive to the angles
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("lengths", [(16,), (16, 65), (7, 30, 9), (16, 65, 43), (16, 65, 71)])
 def test_any_context_length_matches_the_triton_layer(cluster_kernel, lengths):
