@@ -17,7 +17,7 @@ module                           kernels
 ``kernels.flow``                 folded time embedding, and final norm + output projection + Euler update
 ``kernels.rng``                  per-slot counter-based Gaussian noise (draw + counter bump)
 ``kernels.slot_copy``            masked row copy / gather (restore, autoreset) and row scatter (fork)
-``kernels.expert_layer``         the action expert's whole decoder layer at one slot (CUDA C++, a cluster of 8 CTAs)
+``kernels.expert_layer``         the expert's decoder layer at up to 8 slots (CUDA C++, a cluster of 8 CTAs a slot)
 ===============================  ========================================================================
 """
 

@@ -10,9 +10,9 @@ current stream, so it is captured like any other kernel).
 
 :func:`fits` says whether a call can take it: an sm_90 GPU, ``nvcc`` found, no autograd, and
 exactly the shapes it is compiled for (``tiny``'s expert at up to :data:`MAX_SLOTS` slots).
-Elsewhere the Triton kernels run. The kernel reads, before its wait, only what is written at least two kernels ahead
-of it in a step (weights, the prefix's keys/values and masks, the positions); the kernel just
-ahead of an expert layer is the layer before it or the time MLP.
+Elsewhere the Triton kernels run. The kernel reads, before its wait, only what is written at
+least two kernels ahead of it in a step (weights, the prefix's keys/values and masks, the
+positions); the kernel just ahead of an expert layer is the layer before it or the time MLP.
 """
 
 from __future__ import annotations

@@ -70,8 +70,7 @@ def policy_specs(model: FlowPolicy) -> list[BufferSpec]:
 def deployment_digest(model: FlowPolicy, weights_id: str) -> str:
     """Hash of what makes outputs comparable: config, weights, dtype, runtime and kernel versions,
     and which kernel implementation (Triton or the torch references) runs on the model's device."""
-    device = next(model.parameters()).device
-    impl = kernels.implementation(device)
+    impl = kernels.implementation(next(model.parameters()).device)
     if impl == "triton" and expert_layer.runs_for(*model.expert[0].fused_weights()):  # sums in another order
         impl += "+expert_layer"
     text = "|".join([model.cfg.to_json(), weights_id, str(model.dtype), runtime.__version__, kernels.__version__, impl])

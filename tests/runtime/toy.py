@@ -63,3 +63,9 @@ def scramble(b: BufferSet, s: int = 123) -> None:
 
 def state_bytes(b: BufferSet) -> tuple[torch.Tensor, torch.Tensor]:
     return b.slot_arena.clone(), b.shared_arena.clone()
+
+
+def same_state(b: BufferSet, other: BufferSet | tuple[torch.Tensor, torch.Tensor]) -> bool:
+    """Whether ``b``'s state arenas hold the bytes of ``other`` (a set, or :func:`state_bytes`)."""
+    want = state_bytes(other) if isinstance(other, BufferSet) else other
+    return torch.equal(b.slot_arena, want[0]) and torch.equal(b.shared_arena, want[1])
