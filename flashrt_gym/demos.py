@@ -18,8 +18,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from flashrt.runtime import BufferSet, atomic_write
 from flashrt_gym.tasks import Tabletop, TabletopConfig
-from runtime import BufferSet, atomic_write
 
 FORMAT = "flashrt-demos/1"
 

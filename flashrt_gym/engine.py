@@ -1,7 +1,7 @@
 """The unit one env step captures: the tabletop task and the VLA policy over one BufferSet.
 
 An :class:`Engine` composes :class:`~flashrt_gym.tasks.Tabletop` and
-:class:`~policies.PolicyPipeline` into one closed set of static buffers (``sim.*``, ``policy.*``
+:class:`~flashrt.policies.PolicyPipeline` into one closed set of static buffers (``sim.*``, ``policy.*``
 and the step outputs ``env.*``) and defines two programs over it:
 
 - :meth:`Engine.start` (the cold path, every slot): draw episodes, look up and encode the
@@ -17,9 +17,9 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from flashrt.policies import FlowPolicy, PolicyPipeline, deployment_digest, policy_specs, tokenizer_for
+from flashrt.runtime import BufferSet, BufferSpec, Graph, slot
 from flashrt_gym.tasks import Tabletop
-from policies import FlowPolicy, PolicyPipeline, deployment_digest, policy_specs, tokenizer_for
-from runtime import BufferSet, BufferSpec, Graph, slot
 
 ENV_SPECS = [
     slot("env.reward_dense", ()),
@@ -77,7 +77,7 @@ class Engine:
         self.policy = PolicyPipeline(model, self.bufs, backend=backend)
         ids, mask = tokenizer_for(c).encode(task.instructions)
         self.text_ids, self.text_mask = ids.to(device), mask.to(device)
-        self.graph = Graph("engine.step", backend=backend).bind("state", self.bufs)
+        self.graph = Graph("engine.step", backend=backend).bind(self.bufs)
 
     @property
     def num_slots(self) -> int:

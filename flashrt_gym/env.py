@@ -20,12 +20,12 @@ import torch
 from gymnasium import spaces
 from gymnasium.vector import AutoresetMode, VectorEnv
 
-import runtime
+from flashrt import runtime
+from flashrt.policies import load
+from flashrt.runtime import BufferSpec, Capsule, CapsuleRegistry, masked_restore, scratch, shared
 from flashrt_gym.assets import TINY
 from flashrt_gym.engine import Engine
 from flashrt_gym.tasks import Tabletop, TabletopConfig
-from policies import load
-from runtime import BufferSpec, Capsule, CapsuleRegistry, masked_restore, scratch, shared
 
 OBS_MODES = ("state", "features", "rgb", "dict")
 ACTION_MODES = ("noise", "residual")
@@ -182,7 +182,7 @@ class FlashRTVectorEnv(VectorEnv):
         }[obs_mode]
         self.action_space = gym.vector.utils.batch_space(self.single_action_space, n)
         self.observation_space = gym.vector.utils.batch_space(self.single_observation_space, n)
-        self._graph = runtime.Graph("env.step", backend=backend).bind("state", self.bufs)
+        self._graph = runtime.Graph("env.step", backend=backend).bind(self.bufs)
         self._key = (n, action_mode, autoreset)
         self._started = False
         # An upper bound on max(env.next_start), kept on the host so that a step need not read

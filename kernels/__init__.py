@@ -21,16 +21,16 @@ module                           kernels
 ===============================  ========================================================================
 """
 
-from kernels.activation import gelu_mul
-from kernels.backend import implementation, reference_only, use_triton
-from kernels.flow import euler_step, time_embed
-from kernels.grouped_attention import attention
-from kernels.matmul import add_matmul, linear, linear_gelu
-from kernels.norm import add_layer_norm, add_rms_norm
-from kernels.norm_linear import rms_norm_geglu, rms_norm_qkv_rope
-from kernels.rng import draw_normal_
-from kernels.rotary import qkv_rope
-from kernels.slot_copy import masked_copy_rows, masked_copy_rows_reference, scatter_rows
+from flashrt.kernels.activation import gelu_mul
+from flashrt.kernels.backend import implementation, reference_only, use_triton
+from flashrt.kernels.flow import euler_step, time_embed
+from flashrt.kernels.grouped_attention import attention
+from flashrt.kernels.matmul import add_matmul, linear, linear_gelu
+from flashrt.kernels.norm import add_layer_norm, add_rms_norm
+from flashrt.kernels.norm_linear import rms_norm_geglu, rms_norm_qkv_rope
+from flashrt.kernels.rng import draw_normal_
+from flashrt.kernels.rotary import qkv_rope
+from flashrt.kernels.slot_copy import masked_copy_rows, masked_copy_rows_reference, scatter_rows
 
 __version__ = "0.10.0"  # bump when a kernel's numerics change: capsules name the version they were made with
 

@@ -2,7 +2,7 @@
 projection: the projection writes ``(..., 2m)`` with the gate in the first half; the kernel reads
 both halves once and writes ``(..., m)``, where the reference takes a chunk, a GELU and a product
 (three passes over memory). The plain MLP's ``gelu_tanh(x W^T + b)`` runs in its projection
-(:func:`kernels.matmul.linear_gelu`).
+(:func:`flashrt.kernels.matmul.linear_gelu`).
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.backend import tl, triton, use_triton
+from flashrt.kernels.backend import tl, triton, use_triton
 
 
 def gelu_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:

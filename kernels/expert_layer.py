@@ -25,9 +25,9 @@ from pathlib import Path
 
 import torch
 
-from kernels import nvcc
-from kernels.backend import dependent_launch, grid_dependency, use_triton
-from kernels.rotary import check_positions
+from flashrt.kernels import nvcc
+from flashrt.kernels.backend import dependent_launch, grid_dependency, use_triton
+from flashrt.kernels.rotary import check_positions
 
 SOURCE = Path(__file__).with_name("cuda") / "expert_layer.cu"
 WIDTH, HEADS, HEAD_DIM, TOKENS, MLP = 192, 4, 64, 8, 768
@@ -64,7 +64,7 @@ class _Params(ctypes.Structure):
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    """The built kernel library (:func:`kernels.nvcc.build`), or None where no ``nvcc`` is found
+    """The built kernel library (:func:`flashrt.kernels.nvcc.build`), or None where no ``nvcc`` is found
     or the build fails (the Triton layers run instead)."""
     lib = nvcc.build(
         SOURCE, ["-gencode=arch=compute_90a,code=sm_90a"], "kernels.expert_layer (the Triton layers run instead)"

@@ -16,8 +16,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.backend import dependent_launch, tl, triton, use_triton
-from kernels.norm import add_rms_norm_reference
+from flashrt.kernels.backend import dependent_launch, tl, triton, use_triton
+from flashrt.kernels.norm import add_rms_norm_reference
 
 
 def time_embed_reference(x: torch.Tensor, wx: torch.Tensor, bias: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -34,7 +34,7 @@ def euler_step_reference(
 
 
 if triton is not None:
-    from kernels.backend import inputs_ready
+    from flashrt.kernels.backend import inputs_ready
 
     @triton.jit
     def _time_embed_kernel(

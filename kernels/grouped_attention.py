@@ -31,7 +31,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from kernels.backend import dependent_launch, sm_count, tl, triton, use_triton
+from flashrt.kernels.backend import dependent_launch, sm_count, tl, triton, use_triton
 
 Segment = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
 """A context segment: keys and values ``(N, g, T, d)`` and a bool mask ``(N, T)`` (None: all
@@ -65,7 +65,7 @@ def attention_reference(
 
 
 if triton is not None:
-    from kernels.backend import inputs_ready
+    from flashrt.kernels.backend import inputs_ready
 
     @triton.jit
     def _row(rows, seg, i: tl.constexpr, base, local, s_t):

@@ -3,7 +3,7 @@
 At one slot a projection is a few rows by a few hundred columns, and its cost is the launch and
 the weight's trip from L2, not arithmetic: cuBLAS takes ~2.6 µs a call on an H200, a Triton
 program per column block ~1.9 µs. Inside a captured graph the Triton kernel also starts before
-the kernel ahead of it finishes (programmatic dependent launch, :mod:`kernels.backend`): it loads
+the kernel ahead of it finishes (programmatic dependent launch, :mod:`flashrt.kernels.backend`): it loads
 its weight block first and waits for its input after, which cuBLAS cannot (a chain of 200 such
 calls: 1.1 µs a call, against 2.6 for cuBLAS). So the action expert's output and down
 projections, its time MLP's output layer and the vision tower's projections at one slot run
@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.backend import dependent_launch, tl, triton, use_triton
+from flashrt.kernels.backend import dependent_launch, tl, triton, use_triton
 
 MAX_ROWS = 256
 MAX_K = 1024
@@ -42,7 +42,7 @@ def add_matmul_reference(x: torch.Tensor, a: torch.Tensor, weight: torch.Tensor)
 
 
 if triton is not None:
-    from kernels.backend import inputs_ready
+    from flashrt.kernels.backend import inputs_ready
 
     @triton.jit
     def _linear_kernel(

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.backend import dependent_launch, tl, triton, use_triton
+from flashrt.kernels.backend import dependent_launch, tl, triton, use_triton
 
 
 def add_rms_norm_reference(
@@ -37,7 +37,7 @@ def add_layer_norm_reference(
 
 
 if triton is not None:
-    from kernels.backend import inputs_ready
+    from flashrt.kernels.backend import inputs_ready
 
     @triton.jit
     def _add_norm_kernel(

@@ -5,15 +5,15 @@ pointwise consumer; this module fuses each chain into one pass:
 
 - :func:`rms_norm_qkv_rope`: ``rms_norm(x) @ W_qkv^T``, split into heads and rotated, queries
   written as ``(N, h, T, d)`` and keys/values into a caller-given cache view (what
-  :func:`kernels.qkv_rope` does after a separate norm and matmul);
+  :func:`flashrt.kernels.qkv_rope` does after a separate norm and matmul);
 - :func:`rms_norm_geglu`: ``gelu_tanh(rms_norm(x) @ W_gate^T) * (rms_norm(x) @ W_up^T)``, the
-  gated MLP's input half (what :func:`kernels.gelu_mul` does after a separate norm and matmul).
+  gated MLP's input half (what :func:`flashrt.kernels.gelu_mul` does after a separate norm and matmul).
 
 A program loads a block of rows whole (the width is at most :data:`FUSED_MAX_WIDTH`), takes the
 norm in registers and multiplies it by two weight blocks: the halves of one head (rotary pairs
 element ``i`` with ``i + d/2``) or matching gate and up columns. Neither the normed rows nor the
 projection's output is written to memory. Rounding follows the unfused chain: the normed row as
-:func:`kernels.add_rms_norm` rounds it, the product rounded to the input dtype before the
+:func:`flashrt.kernels.add_rms_norm` rounds it, the product rounded to the input dtype before the
 rotation or the GELU; only the order of the matmul's sums differs (as between any two GEMMs).
 Wider rows (``pi0``) and calls over many rows take the unfused chain, whose matmul is cuBLAS.
 """
@@ -23,10 +23,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.activation import gelu_mul, gelu_mul_reference
-from kernels.backend import dependent_launch, tl, triton, use_triton
-from kernels.norm import add_rms_norm, add_rms_norm_reference
-from kernels.rotary import check_positions, kv_destination, qkv_rope, qkv_rope_reference
+from flashrt.kernels.activation import gelu_mul, gelu_mul_reference
+from flashrt.kernels.backend import dependent_launch, tl, triton, use_triton
+from flashrt.kernels.norm import add_rms_norm, add_rms_norm_reference
+from flashrt.kernels.rotary import check_positions, kv_destination, qkv_rope, qkv_rope_reference
 
 FUSED_MAX_WIDTH = 256
 """Widest rows the fused kernels take: a block of rows is held whole in registers."""
@@ -75,8 +75,8 @@ def rms_norm_qkv_rope_reference(
 
 
 if triton is not None:
-    from kernels.backend import inputs_ready
-    from kernels.rotary import store_head
+    from flashrt.kernels.backend import inputs_ready
+    from flashrt.kernels.rotary import store_head
 
     @triton.jit
     def _weight_blocks(weight, m, width, ks, kin, ROPE: tl.constexpr, BN: tl.constexpr):
@@ -242,7 +242,7 @@ def rms_norm_qkv_rope(
         x: ``(N, T, k)`` rows (the residual stream).
         norm_weight: ``(k,)`` RMSNorm weight; ``eps`` its epsilon.
         weight: ``((h + 2g) d, k)`` fused projection: query heads, then key heads, then value heads.
-        pos0, inv_freq, heads, kv_heads, kv_out: as for :func:`kernels.qkv_rope`.
+        pos0, inv_freq, heads, kv_heads, kv_out: as for :func:`flashrt.kernels.qkv_rope`.
 
     Returns:
         q ``(N, h, T, d)``, and k, v ``(N, g, T, d)`` (views of ``kv_out`` when given).

@@ -15,7 +15,7 @@ import math
 
 import torch
 
-from kernels.backend import tl, triton, use_triton
+from flashrt.kernels.backend import tl, triton, use_triton
 
 _M32 = 0xFFFFFFFF
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.backend import tl, triton, use_triton
+from flashrt.kernels.backend import tl, triton, use_triton
 
 
 def rope_angles(pos: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -3,7 +3,7 @@
 Masked row copy: ``dst[r] = src[r]`` for every row ``r`` with ``mask[r]``.
 
 This is the in-graph restore of selected slots (autoreset, fork): rows are slot rows of a
-:class:`runtime.BufferSet` slot arena, so one call moves every buffer of the chosen slots.
+:class:`flashrt.runtime.BufferSet` slot arena, so one call moves every buffer of the chosen slots.
 
 The torch reference is one ``where`` over every row: it reads both images whole, whatever the
 mask. The Triton kernel launches one program per (row, chunk) and returns at once in rows whose
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.backend import tl, triton, use_triton
+from flashrt.kernels.backend import tl, triton, use_triton
 
 
 def masked_copy_rows_reference(

@@ -1,10 +1,10 @@
 """The VLA flow policy: a pi0-shaped model, its static-buffer pipeline, and its weights."""
 
-from policies.config import PRESETS, PolicyConfig, pi0, tiny
-from policies.model import FlowPolicy
-from policies.pipeline import STAGES, PolicyPipeline, deployment_digest, policy_specs
-from policies.tokenizer import WordTokenizer
-from policies.weights import WeightsError, load, save, tokenizer_for
+from flashrt.policies.config import PRESETS, PolicyConfig, pi0, tiny
+from flashrt.policies.model import FlowPolicy
+from flashrt.policies.pipeline import STAGES, PolicyPipeline, deployment_digest, policy_specs
+from flashrt.policies.tokenizer import WordTokenizer
+from flashrt.policies.weights import WeightsError, load, save, tokenizer_for
 
 __all__ = [
     "PRESETS",

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import (
+from flashrt.kernels import (
     add_layer_norm,
     add_matmul,
     add_rms_norm,
@@ -39,8 +39,8 @@ from kernels import (
     rms_norm_qkv_rope,
     time_embed,
 )
-from kernels.grouped_attention import Segment
-from policies.config import PolicyConfig
+from flashrt.kernels.grouped_attention import Segment
+from flashrt.policies.config import PolicyConfig
 
 Prefix = Sequence[tuple[torch.Tensor, torch.Tensor]]
 """What a block attends to before its own tokens: segments ``(kv, mask)`` in token order, each
@@ -129,7 +129,7 @@ class DecoderLayer(nn.Module):
         self._qkv = Folded(lambda: (torch.cat([self.q.weight, self.kv.weight]),), self.q.weight, self.kv.weight)
 
     def fused_weights(self) -> tuple[torch.Tensor, ...]:
-        """norm1, q/k/v, o, norm2, gate/up and down weights: what :mod:`kernels.expert_layer` takes."""
+        """norm1, q/k/v, o, norm2, gate/up and down weights: what :mod:`flashrt.kernels.expert_layer` takes."""
         return (self.norm1.weight, self.qkv_weight(), self.o.weight, self.norm2.weight, self.gate_up.weight,
                 self.down.weight)  # fmt: skip
 
@@ -175,7 +175,7 @@ class VisionBlock(nn.Module):
     The residual stream arrives as ``x + delta``, the previous block's MLP output not yet added:
     each add runs inside the norm kernel that reads its sum (so does the position embedding's,
     in the first block). At a few frames every kernel is Triton (projections from
-    :mod:`kernels.matmul`, attention from :mod:`kernels.grouped_attention`), so inside a graph
+    :mod:`flashrt.kernels.matmul`, attention from :mod:`flashrt.kernels.grouped_attention`), so inside a graph
     each launches dependent; at many, cuBLAS and SDPA's fused kernels run.
     """
 
@@ -372,7 +372,7 @@ class FlowPolicy(nn.Module):
         return h
 
     def _fold_flow(self) -> tuple[torch.Tensor, ...]:
-        """The Euler loop's folded float32 weights (see :mod:`kernels.flow`): wx (E, A), per-step
+        """The Euler loop's folded float32 weights (see :mod:`flashrt.kernels.flow`): wx (E, A), per-step
         bias (steps, E), w_out (A, E) and b_out (A,) scaled by -1/steps."""
         c, e = self.cfg, self.cfg.expert_width
         w_in, b_in = self.action_in.weight.float(), self.action_in.bias.float()

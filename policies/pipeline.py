@@ -1,8 +1,8 @@
 """The policy over static buffers: every live tensor of every slot is a named buffer.
 
 ``PolicyPipeline`` owns no memory of its own: it declares ``policy.*`` buffer specs (to be
-placed in a :class:`runtime.BufferSet`, alone or together with a simulator's), then runs its
-stages over those buffers, each recordable as a :class:`runtime.Graph` variant. Per slot:
+placed in a :class:`flashrt.runtime.BufferSet`, alone or together with a simulator's), then runs its
+stages over those buffers, each recordable as a :class:`flashrt.runtime.Graph` variant. Per slot:
 
 ======================  ==========================================================  =========
 buffer                  shape                                                       written by
@@ -30,12 +30,11 @@ from collections.abc import Callable
 
 import torch
 
-import kernels
-import runtime
-from kernels import expert_layer
-from kernels.rng import draw_normal_
-from policies.model import FlowPolicy, Prefix
-from runtime import BufferSet, BufferSpec, Graph, slot
+from flashrt import kernels, runtime
+from flashrt.kernels import expert_layer
+from flashrt.kernels.rng import draw_normal_
+from flashrt.policies.model import FlowPolicy, Prefix
+from flashrt.runtime import BufferSet, BufferSpec, Graph, slot
 
 STAGES = ("encode_instruction", "encode_observation", "draw_noise", "denoise")
 
@@ -93,7 +92,7 @@ class PolicyPipeline:
         self.model = model.eval().requires_grad_(False)
         self.cfg = model.cfg
         self.bufs = bufs
-        self.graphs = {name: Graph(f"policy.{name}", backend=backend).bind("state", bufs) for name in STAGES}
+        self.graphs = {name: Graph(f"policy.{name}", backend=backend).bind(bufs) for name in STAGES}
 
     def __getitem__(self, name: str) -> torch.Tensor:
         return self.bufs[f"policy.{name}"]

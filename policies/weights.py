@@ -14,10 +14,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from policies.config import PolicyConfig
-from policies.model import FlowPolicy
-from policies.tokenizer import WordTokenizer
-from runtime.files import atomic_write
+from flashrt.policies.config import PolicyConfig
+from flashrt.policies.model import FlowPolicy
+from flashrt.policies.tokenizer import WordTokenizer
+from flashrt.runtime.files import atomic_write
 
 CONFIG, TOKENIZER, WEIGHTS = "config.json", "tokenizer.json", "model.safetensors"
 

@@ -4,8 +4,8 @@ Mechanism only: this package knows buffers, graphs, streams, copies and capsules
 models, environments, sessions or rewards.
 """
 
-from runtime.buffers import ALIGN, BufferSet, BufferSpec, scratch, shared, slot
-from runtime.capsule import (
+from flashrt.runtime.buffers import ALIGN, BufferSet, BufferSpec, scratch, shared, slot
+from flashrt.runtime.capsule import (
     Capsule,
     CapsuleError,
     CapsuleFileError,
@@ -16,11 +16,11 @@ from runtime.capsule import (
     rollback,
     snapshot,
 )
-from runtime.files import atomic_write
-from runtime.graphs import Graph, MissingVariantError, ReallocatedBufferError
-from runtime.registry import CapsuleRegistry, RegistryStats
-from runtime.slots import copy_rows, masked_restore
-from runtime.streams import Event, Stream
+from flashrt.runtime.files import atomic_write
+from flashrt.runtime.graphs import Graph, MissingVariantError, ReallocatedBufferError
+from flashrt.runtime.registry import CapsuleRegistry, RegistryStats
+from flashrt.runtime.slots import copy_rows, masked_restore
+from flashrt.runtime.streams import Event, Stream
 
 __version__ = "0.1.0"
 

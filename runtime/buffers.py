@@ -7,7 +7,7 @@ Every buffer is a typed view into one of three byte arenas on the set's device:
             ``slot_arena[s]`` is one contiguous byte row holding every slot buffer of slot
             ``s``. Snapshotting, restoring or forking any set of slots is therefore one row
             copy over the whole state, whatever the buffers' dtypes (one capturable op; see
-            :func:`runtime.slots.masked_restore`). The price: a slot buffer is strided along
+            :func:`flashrt.runtime.slots.masked_restore`). The price: a slot buffer is strided along
             the slot dimension (stride = the row, not the buffer), so ``.view`` across the
             slot dimension is not available; use ``.reshape`` or index per slot.
 ``shared``  live state without a slot dimension (e.g. a global tick counter).
@@ -29,7 +29,7 @@ from typing import Literal
 
 import torch
 
-from runtime.streams import Event, Stream
+from flashrt.runtime.streams import Event, Stream
 
 ALIGN = 64
 """Byte alignment of every buffer offset and of the slot row length."""
@@ -237,7 +237,7 @@ class BufferSet(Mapping[str, torch.Tensor]):
         return self._layout_digest
 
     def data_ptrs(self) -> dict[str, int]:
-        """Current data pointer of every buffer (the debug check of :class:`runtime.Graph`)."""
+        """Current data pointer of every buffer (the debug check of :class:`flashrt.runtime.Graph`)."""
         return {n: t.data_ptr() for n, t in self._tensors.items()}
 
     def clone(self, names: Sequence[str], device: torch.device | str | None = None) -> dict[str, torch.Tensor]:

@@ -28,10 +28,10 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import safe_open, save_file
 
-from runtime.buffers import ALIGN, BufferSet, BufferSpec, dtype_from_name, dtype_name
-from runtime.files import atomic_write
-from runtime.slots import copy_rows
-from runtime.streams import Event, Stream
+from flashrt.runtime.buffers import ALIGN, BufferSet, BufferSpec, dtype_from_name, dtype_name
+from flashrt.runtime.files import atomic_write
+from flashrt.runtime.slots import copy_rows
+from flashrt.runtime.streams import Event, Stream
 
 Tier = Literal["gpu", "host", "disk"]
 TIERS: tuple[Tier, ...] = ("gpu", "host", "disk")

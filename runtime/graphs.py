@@ -1,7 +1,7 @@
 """Captured graphs: a bounded table of replayable variants keyed by an exact shape key.
 
 Mechanism only. A :class:`Graph` records a callable that reads and writes the buffers of the
-:class:`~runtime.buffers.BufferSet` objects bound to it, once per shape key, and replays it.
+:class:`~flashrt.runtime.buffers.BufferSet` objects bound to it, once per shape key, and replays it.
 
 Backends, one interface:
 
@@ -13,11 +13,11 @@ Backends, one interface:
            and the eager baseline of the benchmarks.
 
 Capture has no side effect on the bound state: warm-up runs would otherwise advance it, so
-the state arenas of every bound set are saved before warm-up and put back after capture.
+the state arenas of the bound set are saved before warm-up and put back after capture.
 
 A variant may be *guarded*: a guard callable (captured first) writes a one-byte flag, and a
 replay runs the body only where the flag is set (CUDA: one launch, the body a conditional node,
-see :mod:`runtime.guarded`; eager: an ``if``). :meth:`Graph.held` then says whether it ran. This is
+see :mod:`flashrt.runtime.guarded`; eager: an ``if``). :meth:`Graph.held` then says whether it ran. This is
 how a step rejects a bad input read on the device without a host round trip before the launch,
 leaving the state untouched.
 """
@@ -31,9 +31,9 @@ from typing import Literal
 
 import torch
 
-from runtime.buffers import BufferSet
-from runtime.guarded import GuardedGraph, new_graph
-from runtime.streams import Stream
+from flashrt.runtime.buffers import BufferSet
+from flashrt.runtime.guarded import GuardedGraph, new_graph
+from flashrt.runtime.streams import Stream
 
 Backend = Literal["auto", "cuda", "eager"]
 
@@ -51,7 +51,7 @@ class _Variant:
     run: Callable[[], None]
     owned: bool
     cuda_graph: torch.cuda.CUDAGraph | None = None
-    ptrs: dict[tuple[str, str], int] = field(default_factory=dict)
+    ptrs: dict[str, int] = field(default_factory=dict)
     held: Callable[[], bool] | None = None
 
 
@@ -68,7 +68,7 @@ class Graph:
 
     Example:
         >>> g = Graph("double")
-        >>> g.bind("io", bufs)
+        >>> g.bind(bufs)
         >>> g.capture(("n", 4), lambda: bufs["x"].mul_(2))
         >>> g.replay(("n", 4))
     """
@@ -90,32 +90,27 @@ class Graph:
         self.requested_backend: Backend = backend
         self.max_variants = max_variants
         self.debug = debug
-        self.ports: dict[str, BufferSet] = {}
+        self.bufs: BufferSet | None = None
         self._pool = pool
         self._variants: OrderedDict[Hashable, _Variant] = OrderedDict()
 
     # -- binding -----------------------------------------------------------------------------
-    def bind(self, port: str, bufs: BufferSet) -> Graph:
-        """Name the buffer set that ``port`` uses. Two graphs bound to the same set hand data
-        to each other with no copy (pointers are baked in at capture)."""
-        if port in self.ports and self.ports[port] is not bufs and self._variants:
+    def bind(self, bufs: BufferSet) -> Graph:
+        """Name the buffer set the graph reads and writes. Two graphs bound to the same set hand
+        data to each other with no copy (pointers are baked in at capture)."""
+        if self.bufs is not None and self.bufs is not bufs and self._variants:
             raise ValueError(
-                f"graph {self.name!r}: port {port!r} is already bound and variants were captured "
-                "against it; evict them first (captured pointers cannot be re-bound)"
+                f"graph {self.name!r} already has variants captured against another buffer set; "
+                "captured pointers cannot be re-bound: make a new Graph for the new set"
             )
-        self.ports[port] = bufs
+        self.bufs = bufs
         return self
 
     @property
     def device(self) -> torch.device:
-        devices = {b.device for b in self.ports.values()}
-        if len(devices) != 1:
-            raise ValueError(
-                f"graph {self.name!r}: bound sets must share one device, got {sorted(map(str, devices))}"
-                if devices
-                else f"graph {self.name!r}: bind a BufferSet before capturing"
-            )
-        return devices.pop()
+        if self.bufs is None:
+            raise ValueError(f"graph {self.name!r}: bind a BufferSet before capturing")
+        return self.bufs.device
 
     @property
     def backend(self) -> Literal["cuda", "eager"]:
@@ -124,8 +119,8 @@ class Graph:
             return self.requested_backend
         return "cuda" if self.device.type == "cuda" else "eager"
 
-    def _ptrs(self) -> dict[tuple[str, str], int]:
-        return {(port, n): p for port, b in self.ports.items() for n, p in b.data_ptrs().items()}
+    def _ptrs(self) -> dict[str, int]:
+        return {} if self.bufs is None else self.bufs.data_ptrs()
 
     # -- variants ----------------------------------------------------------------------------
     def capture(
@@ -162,7 +157,8 @@ class Graph:
         device = self.device
         if device.type != "cuda":
             raise ValueError(f"graph {self.name!r}: the cuda backend needs CUDA buffers, got {device}")
-        saved = [(b, b.slot_arena.clone(), b.shared_arena.clone()) for b in self.ports.values()]
+        b = self.bufs
+        saved = b.slot_arena.clone(), b.shared_arena.clone()
         side = stream.cuda if stream is not None and stream.cuda is not None else torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
@@ -187,9 +183,8 @@ class Graph:
                 parts.append((g, out))
             guarded = GuardedGraph(parts[0][0], parts[1][0], parts[0][1])
             variant = _Variant(run=guarded.launch, owned=True, cuda_graph=parts[1][0], held=guarded.held)
-        for b, slot_arena, shared_arena in saved:
-            b.slot_arena.copy_(slot_arena)
-            b.shared_arena.copy_(shared_arena)
+        b.slot_arena.copy_(saved[0])
+        b.shared_arena.copy_(saved[1])
         variant.ptrs = self._ptrs()
         self._put(key, variant)
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kernels import nvcc
+from flashrt.kernels import nvcc
 
 SOURCE = Path(__file__).with_name("cuda") / "conditional.cu"
 _MASK = 0xFFFFFFFF  # the device writes an unsigned 32-bit word: count << 1 | flag

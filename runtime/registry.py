@@ -22,7 +22,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from runtime.capsule import TIERS, Capsule, CapsuleError, Tier
+from flashrt.runtime.capsule import TIERS, Capsule, CapsuleError, Tier
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
 

@@ -1,6 +1,6 @@
 """The multi-buffer slot copy: every slot buffer of a slot moves in one operation.
 
-Because a :class:`~runtime.buffers.BufferSet` keeps all per-slot state of slot ``s`` in one
+Because a :class:`~flashrt.runtime.buffers.BufferSet` keeps all per-slot state of slot ``s`` in one
 byte row (``slot_arena[s]``), restoring or forking any set of slots is a single row copy over
 the whole state, whatever the buffers' dtypes. Both functions take device tensors only (no host
 synchronisation, no data-dependent shapes), so they can run inside a captured graph: a masked
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.slot_copy import masked_copy_rows, scatter_rows
+from flashrt.kernels.slot_copy import masked_copy_rows, scatter_rows
 
 
 def _words(rows: torch.Tensor) -> torch.Tensor:

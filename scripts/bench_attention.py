@@ -31,10 +31,10 @@ from pathlib import Path
 import torch
 from benchlib import commit, cuda_time, provenance
 
+from flashrt.kernels import attention
+from flashrt.kernels.backend import triton
+from flashrt.policies import PRESETS, PolicyConfig
 from flashrt_gym.tasks import TabletopConfig
-from kernels import attention
-from kernels.backend import triton
-from policies import PRESETS, PolicyConfig
 
 
 def per_call_us(fn: Callable[[], object], calls: int, reps: int) -> float:

@@ -31,12 +31,11 @@ import numpy as np
 import torch
 from benchlib import count_kernels, graph_kernels, provenance, top_kernels, wall_ms
 
-import kernels
-import runtime
+from flashrt import kernels, runtime
+from flashrt.policies import FlowPolicy, PolicyConfig, pi0, save, tiny
 from flashrt_gym import FlashRTEnv, FlashRTVectorEnv
 from flashrt_gym.engine import Engine
 from flashrt_gym.tasks import TabletopConfig
-from policies import FlowPolicy, PolicyConfig, pi0, save, tiny
 
 
 def bench_steps(

@@ -5,7 +5,7 @@ block B over the instruction and the history ring) and denoise one action chunk 
 Euler steps of the action expert). For each preset and batch size, on one GPU in bf16, in one
 run:
 
-- ``graph``: the pipeline's stages recorded once as a :class:`runtime.Graph` variant and replayed,
+- ``graph``: the pipeline's stages recorded once as a :class:`flashrt.runtime.Graph` variant and replayed,
   with the fused Triton kernels (``kernels``) and with every kernel's torch reference
   (``reference``: the "before" of the kernels), each with its node count and capture time
   (after a first eager call, timed apart: with an empty Triton cache it includes compiling
@@ -37,10 +37,10 @@ import torch
 from benchlib import count_kernels, gpu_rates, graph_kernels, provenance, top_kernels, wall_ms
 from torch.utils.flop_counter import FlopCounterMode
 
-import kernels
+from flashrt import kernels
+from flashrt.policies import PRESETS, FlowPolicy, PolicyPipeline, policy_specs, tokenizer_for
+from flashrt.runtime import BufferSet, Graph
 from flashrt_gym.tasks import TabletopConfig
-from policies import PRESETS, FlowPolicy, PolicyPipeline, policy_specs, tokenizer_for
-from runtime import BufferSet, Graph
 
 
 def make_pipeline(model: FlowPolicy, n: int) -> PolicyPipeline:
@@ -150,7 +150,7 @@ def bench(preset: str, n: int, reps: int, do_compile: bool, rates: dict) -> dict
     for name, mode in (("reference", kernels.reference_only), ("kernels", contextlib.nullcontext)):
         with mode():
             rec[f"{name}_nodes"] = count_kernels(step)
-            g = Graph(f"{preset}-step-{name}").bind("state", p.bufs)
+            g = Graph(f"{preset}-step-{name}").bind(p.bufs)
             t = time.perf_counter()
             g.capture(n, step)
             torch.cuda.synchronize()

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from benchlib import cuda_time, provenance
 
-from runtime import BufferSet, Graph, fork, masked_restore, restore, slot, snapshot
+from flashrt.runtime import BufferSet, Graph, fork, masked_restore, restore, slot, snapshot
 
 SIZES = [1 << 10, 10 << 10, 100 << 10, 1 << 20, 10 << 20, 100 << 20, 1 << 30]
 
@@ -88,7 +88,7 @@ def bench_masked_restore(row_bytes: int, reps: int) -> dict:
         work()
         masked_restore(b.slot_arena, start, mask)
 
-    g = Graph("bench").bind("state", b)
+    g = Graph("bench").bind(b)
     g.capture("work", work)
     g.capture("work+reset", work_and_reset)
     g.capture("reset", lambda: masked_restore(b.slot_arena, start, mask))

@@ -24,10 +24,10 @@ from omegaconf import DictConfig
 from torch.utils.tensorboard import SummaryWriter
 from tqdm import tqdm
 
+from flashrt.policies import PRESETS, FlowPolicy, save, tokenizer_for
 from flashrt_gym.demos import Windows, load_shards
 from flashrt_gym.engine import Engine
 from flashrt_gym.tasks import Tabletop, TabletopConfig
-from policies import PRESETS, FlowPolicy, save, tokenizer_for
 
 EVAL_SEED = 1_000_000  # evaluation episodes never share seeds with demonstrations
 

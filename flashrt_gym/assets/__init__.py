@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from policies import FlowPolicy, load
+from flashrt.policies import FlowPolicy, load
 
 TINY = Path(__file__).parent / "tiny"
 

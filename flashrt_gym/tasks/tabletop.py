@@ -3,7 +3,7 @@
 Every slot is one table in ``[-1, 1]^2`` (x right, y up): an end-effector disk under velocity
 control, ``K`` objects of distinct colours and shapes, and four goal regions (left, right, top,
 bottom) that look alike, so only the instruction ("push the red square to the left goal")
-says which object and which goal count. All state lives in a :class:`runtime.BufferSet`
+says which object and which goal count. All state lives in a :class:`flashrt.runtime.BufferSet`
 (buffers named ``sim.*``); ``reset`` / ``step`` / ``render`` are fixed-shape tensor programs with
 fixed iteration counts and no host synchronisation, so they run on the CPU and inside a
 captured CUDA graph alike.
@@ -27,10 +27,10 @@ from typing import Literal
 
 import torch
 
+from flashrt.kernels import use_triton
+from flashrt.kernels.rng import uniform
+from flashrt.runtime import BufferSet, BufferSpec, slot
 from flashrt_gym.tasks.tabletop_kernels import render_triton, ticks_triton
-from kernels import use_triton
-from kernels.rng import uniform
-from runtime import BufferSet, BufferSpec, slot
 
 COLORS: dict[str, tuple[int, int, int]] = {
     "red": (215, 45, 45),
@@ -150,7 +150,7 @@ class TabletopConfig:
 
 
 class Tabletop:
-    """The batched simulator over the ``sim.*`` buffers of a :class:`runtime.BufferSet`.
+    """The batched simulator over the ``sim.*`` buffers of a :class:`flashrt.runtime.BufferSet`.
 
     Args:
         cfg: the task's parameters.

@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kernels.backend import sm_count, tl, triton
-from runtime import BufferSet
+from flashrt.kernels.backend import sm_count, tl, triton
+from flashrt.runtime import BufferSet
 
 if TYPE_CHECKING:
     from flashrt_gym.tasks.tabletop import Tabletop

@@ -6,8 +6,8 @@ from gymnasium.utils.env_checker import check_env
 from gymnasium.vector import AutoresetMode
 
 import flashrt_gym  # noqa: F401  (registers FlashRT-VLA)
+from flashrt.runtime import DeploymentMismatchError
 from flashrt_gym import FlashRTEnv, FlashRTVectorEnv
-from runtime import DeploymentMismatchError
 
 
 def make(n: int = 4, **kw) -> FlashRTVectorEnv:

@@ -1,9 +1,9 @@
 import torch
 
+from flashrt.policies import tiny
 from flashrt_gym.assets import TINY, load_pretrained
 from flashrt_gym.engine import Engine
 from flashrt_gym.tasks import Tabletop, TabletopConfig
-from policies import tiny
 
 
 def test_shipped_policy_loads_by_default_and_fits_the_task():

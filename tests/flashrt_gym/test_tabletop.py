@@ -1,8 +1,8 @@
 import pytest
 import torch
 
+from flashrt.runtime import BufferSet, Graph
 from flashrt_gym.tasks import Tabletop, TabletopConfig
-from runtime import BufferSet, Graph
 
 
 def make(n: int = 64, device: str = "cpu", seed: int = 0, **cfg) -> tuple[Tabletop, BufferSet]:
@@ -169,7 +169,7 @@ def test_cuda_simulator_agrees_with_cpu_and_captures_in_a_graph():
         task.reset(b, b["sim.success"].clone())
         frames[id(b)] = task.render(b)
 
-    g = Graph("sim").bind("state", graph)
+    g = Graph("sim").bind(graph)
     g.capture(128, lambda: tick(graph))
     for _ in range(40):
         tick(eager)

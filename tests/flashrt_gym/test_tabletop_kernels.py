@@ -8,9 +8,9 @@ succeeded (frozen).
 import pytest
 import torch
 
+from flashrt.runtime import BufferSet
 from flashrt_gym.tasks import Tabletop, TabletopConfig
 from flashrt_gym.tasks.tabletop_kernels import render_triton, ticks_triton
-from runtime import BufferSet
 from tests.kernels.kernel_devices import DEVICES
 
 

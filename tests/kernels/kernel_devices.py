@@ -5,7 +5,7 @@ import os
 import pytest
 import torch
 
-from kernels.backend import triton
+from flashrt.kernels.backend import triton
 
 DEVICES = [
     pytest.param("cuda", marks=pytest.mark.cuda),

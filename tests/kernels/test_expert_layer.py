@@ -6,11 +6,11 @@ import shutil
 import pytest
 import torch
 
-import kernels
-import kernels.expert_layer as el
-from kernels import nvcc
-from policies import PRESETS, FlowPolicy
-from policies.model import layer_segments
+import flashrt.kernels.expert_layer as el
+from flashrt import kernels
+from flashrt.kernels import nvcc
+from flashrt.policies import PRESETS, FlowPolicy
+from flashrt.policies.model import layer_segments
 from tests.kernels.kernel_devices import poison_allocator
 
 

@@ -8,11 +8,11 @@ allocator blocks poisoned with NaN; outputs written into given views are pre-fil
 import pytest
 import torch
 
-from kernels.activation import gelu_mul_reference, gelu_mul_triton
-from kernels.backend import sm_count
-from kernels.flow import euler_step_reference, euler_step_triton, time_embed_reference, time_embed_triton
-from kernels.grouped_attention import attention, attention_reference, attention_triton
-from kernels.norm import (
+from flashrt.kernels.activation import gelu_mul_reference, gelu_mul_triton
+from flashrt.kernels.backend import sm_count
+from flashrt.kernels.flow import euler_step_reference, euler_step_triton, time_embed_reference, time_embed_triton
+from flashrt.kernels.grouped_attention import attention, attention_reference, attention_triton
+from flashrt.kernels.norm import (
     add_layer_norm,
     add_layer_norm_reference,
     add_layer_norm_triton,
@@ -20,7 +20,7 @@ from kernels.norm import (
     add_rms_norm_reference,
     add_rms_norm_triton,
 )
-from kernels.norm_linear import (
+from flashrt.kernels.norm_linear import (
     rms_norm_geglu,
     rms_norm_geglu_reference,
     rms_norm_geglu_triton,
@@ -28,8 +28,8 @@ from kernels.norm_linear import (
     rms_norm_qkv_rope_reference,
     rms_norm_qkv_rope_triton,
 )
-from kernels.rng import draw_normal_reference, draw_normal_triton
-from kernels.rotary import qkv_rope_reference, qkv_rope_triton
+from flashrt.kernels.rng import draw_normal_reference, draw_normal_triton
+from flashrt.kernels.rotary import qkv_rope_reference, qkv_rope_triton
 from tests.kernels.kernel_devices import DEVICES, close, dtypes, poison_allocator, spy_launches
 
 
@@ -144,7 +144,7 @@ def test_rms_norm_qkv_rope_writes_rotated_heads_into_a_cache_view(device, heads,
 def test_norm_linear_takes_the_fused_kernel_only_for_few_narrow_rows(device, monkeypatch):
     """Up to the row limits one fused launch; one row more, or rows wider than the fused kernel
     holds, or a head dim under 32, take the unfused chain. Both agree with the reference."""
-    import kernels.norm_linear as nl
+    import flashrt.kernels.norm_linear as nl
 
     launches = spy_launches(monkeypatch, nl, "_norm_linear_kernel")
     if device == "cpu":  # the interpreter runs the kernel on CPU tensors, as on a GPU
@@ -287,7 +287,7 @@ def test_attention_splits_the_keys_only_when_programs_are_few(device, monkeypatc
     """Three slots over 708 keys (three programs, twelve key blocks each) take the split launch
     and its merge; one program per slot on more than half the SMs does not. Both match the
     reference."""
-    import kernels.grouped_attention as ga
+    import flashrt.kernels.grouped_attention as ga
 
     merges = spy_launches(monkeypatch, ga, "_combine_kernel")
     g = torch.Generator(device=device).manual_seed(11)
@@ -309,7 +309,7 @@ def test_attention_gives_few_query_rows_16_row_programs_over_one_key_block(devic
     """The expert's 32 query rows per slot (4 heads x 8 tokens over 89 keys) run as two 16-row
     programs per slot, each over every key in one block, while the programs fit on half the SMs;
     with more slots, one 32-row program per slot sweeps 64-key blocks. Both match the reference."""
-    import kernels.grouped_attention as ga
+    import flashrt.kernels.grouped_attention as ga
 
     launches = spy_launches(monkeypatch, ga, "_attention_kernel")
     g = torch.Generator(device=device).manual_seed(12)
@@ -329,7 +329,7 @@ def test_attention_gives_few_query_rows_16_row_programs_over_one_key_block(devic
 def test_plain_self_attention_takes_the_kernel_only_below_one_head_per_sm(device, monkeypatch):
     """The vision tower's attention (no context, no mask) runs the kernel while slots x heads fit
     on the SMs (where it launches dependent in a graph); beyond, SDPA's fused kernels."""
-    import kernels.grouped_attention as ga
+    import flashrt.kernels.grouped_attention as ga
 
     if device == "cpu":  # the interpreter runs the kernel on CPU tensors, as on a GPU
         monkeypatch.setattr(ga, "use_triton", lambda *tensors: True)

@@ -4,9 +4,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import kernels.matmul as kl
-from kernels import add_layer_norm, add_matmul, linear, linear_gelu, reference_only
-from kernels.matmul import add_matmul_reference, linear_gelu_reference
+import flashrt.kernels.matmul as kl
+from flashrt.kernels import add_layer_norm, add_matmul, linear, linear_gelu, reference_only
+from flashrt.kernels.matmul import add_matmul_reference, linear_gelu_reference
 from tests.kernels.kernel_devices import DEVICES, close, dtypes, poison_allocator, spy_launches
 
 
@@ -124,8 +124,8 @@ def test_dependent_launches_in_a_graph_replay_the_eager_chain(monkeypatch):
     dependent (it starts before the one ahead finishes and loads its weight first); replayed, the
     chain gives the eager bytes. A dependent launch that read its input or wrote before the wait
     would race and differ."""
-    import kernels.norm as kn
-    from kernels.backend import grid_dependency
+    import flashrt.kernels.norm as kn
+    from flashrt.kernels.backend import grid_dependency
 
     if not grid_dependency(torch.device("cuda")):
         pytest.skip("programmatic dependent launch needs compute capability 9.0 and Triton 3.4")

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from kernels.rng import normal, random_bits, uniform
+from flashrt.kernels.rng import normal, random_bits, uniform
 
 
 def keys(n: int = 512) -> tuple[torch.Tensor, torch.Tensor]:

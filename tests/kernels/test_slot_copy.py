@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from kernels import masked_copy_rows, masked_copy_rows_reference
-from kernels.slot_copy import masked_copy_rows_triton, scatter_rows_reference, scatter_rows_triton
+from flashrt.kernels import masked_copy_rows, masked_copy_rows_reference
+from flashrt.kernels.slot_copy import masked_copy_rows_triton, scatter_rows_reference, scatter_rows_triton
 from tests.kernels.kernel_devices import DEVICES
 
 

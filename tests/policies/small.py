@@ -2,9 +2,9 @@
 
 import torch
 
+from flashrt.policies import FlowPolicy, PolicyConfig, PolicyPipeline, policy_specs, tokenizer_for
+from flashrt.runtime import BufferSet
 from flashrt_gym.tasks import TabletopConfig
-from policies import FlowPolicy, PolicyConfig, PolicyPipeline, policy_specs, tokenizer_for
-from runtime import BufferSet
 
 TEXTS = ["push the red square to the left goal", "push the blue triangle to the top goal"]
 

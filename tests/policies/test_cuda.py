@@ -5,10 +5,10 @@ import contextlib
 import pytest
 import torch
 
-import kernels
+from flashrt import kernels
+from flashrt.policies import FlowPolicy, PolicyPipeline, pi0, policy_specs, tiny, tokenizer_for
+from flashrt.runtime import BufferSet, restore, snapshot
 from flashrt_gym.tasks import TabletopConfig
-from policies import FlowPolicy, PolicyPipeline, pi0, policy_specs, tiny, tokenizer_for
-from runtime import BufferSet, restore, snapshot
 
 pytestmark = pytest.mark.cuda
 

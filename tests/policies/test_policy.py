@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from policies import FlowPolicy, WeightsError, WordTokenizer, load, save
-from runtime import restore, snapshot
+from flashrt.policies import FlowPolicy, WeightsError, WordTokenizer, load, save
+from flashrt.runtime import restore, snapshot
 from tests.policies.small import TEXTS, config, observe, pipeline
 
 
@@ -197,7 +197,7 @@ def test_config_validation():
         config(image_size=30)
     with pytest.raises(ValueError, match="multiple of kv_heads"):
         config(heads=3, kv_heads=2)
-    from policies import PolicyConfig
+    from flashrt.policies import PolicyConfig
 
     with pytest.raises(ValueError, match="unknown fields"):
         PolicyConfig.from_json('{"vocab": [], "bogus": 1}')
@@ -248,9 +248,9 @@ def test_folded_euler_loop_equals_the_unfolded_velocity_integration():
 
 
 def test_deployment_digest_names_the_kernel_implementation(monkeypatch):
-    import kernels
-    from kernels.backend import triton
-    from policies import deployment_digest
+    from flashrt import kernels
+    from flashrt.kernels.backend import triton
+    from flashrt.policies import deployment_digest
 
     assert kernels.implementation("cpu") == "reference"
     assert kernels.implementation("cuda") == ("reference" if triton is None else "triton")

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from runtime import ALIGN, BufferSet, BufferSpec, Stream, scratch, shared, slot
+from flashrt.runtime import ALIGN, BufferSet, BufferSpec, Stream, scratch, shared, slot
 from tests.runtime import toy
 
 

@@ -4,8 +4,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-import runtime
-from runtime import (
+from flashrt import runtime
+from flashrt.runtime import (
     BufferSet,
     Capsule,
     CapsuleError,

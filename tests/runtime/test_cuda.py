@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from runtime import CapsuleRegistry, Graph, copy_rows, fork, masked_restore, restore, snapshot
+from flashrt.runtime import CapsuleRegistry, Graph, copy_rows, fork, masked_restore, restore, snapshot
 from tests.runtime import toy
 
 pytestmark = pytest.mark.cuda
@@ -11,7 +11,7 @@ pytestmark = pytest.mark.cuda
 
 def replayed(num_slots: int, steps: int, backend: str) -> toy.BufferSet:
     b = toy.make(num_slots, "cuda")
-    g = Graph("toy", backend=backend).bind("state", b)
+    g = Graph("toy", backend=backend).bind(b)
     g.capture(num_slots, lambda: toy.step(b))
     for _ in range(steps):
         g.replay(num_slots)
@@ -27,7 +27,7 @@ def test_graph_replay_equals_the_eager_backend_byte_for_byte():
 def test_cuda_capture_leaves_the_state_untouched():
     b = toy.make(8, "cuda")
     before = toy.state_bytes(b)
-    g = Graph("toy").bind("state", b)
+    g = Graph("toy").bind(b)
     g.capture(8, lambda: toy.step(b), warmup=3)
     assert g.backend == "cuda"
     assert toy.same_state(b, before)
@@ -35,7 +35,7 @@ def test_cuda_capture_leaves_the_state_untouched():
 
 def test_snapshot_restore_fork_between_replays_are_exact():
     b = toy.make(8, "cuda")
-    g = Graph("toy").bind("state", b)
+    g = Graph("toy").bind(b)
     g.capture(8, lambda: toy.step(b))
     for _ in range(3):
         g.replay(8)
@@ -67,7 +67,7 @@ def test_masked_slot_restore_inside_a_captured_graph():
         mask.copy_(b["done"])
         masked_restore(b.slot_arena, start_rows, mask)
 
-    g = Graph("autoreset").bind("state", b)
+    g = Graph("autoreset").bind(b)
     g.capture(n, step_and_reset)
     ref = toy.make(n, "cuda")
 
@@ -91,7 +91,7 @@ def test_masked_slot_restore_inside_a_captured_graph():
 def test_fork_as_one_captured_row_copy():
     b = toy.make(16, "cuda")
     dst = torch.arange(1, 16, device="cuda")
-    g = Graph("fork").bind("state", b)
+    g = Graph("fork").bind(b)
     g.capture("fork", lambda: copy_rows(b.slot_arena, dst, b.slot_arena[0:1].expand(15, -1)))
     toy.step(b)
     g.replay("fork")
@@ -108,7 +108,7 @@ def test_adopted_external_graph_replays_through_the_table():
     ext = torch.cuda.CUDAGraph()
     with torch.cuda.graph(ext):
         b["pos"].add_(1.0)
-    g = Graph("adopted").bind("state", b)
+    g = Graph("adopted").bind(b)
     g.adopt("plus1", ext)
     before = b["pos"].clone()
     g.replay("plus1")
@@ -142,16 +142,16 @@ def test_host_tier_round_trip_and_registry_promotion(tmp_path):
 
 @pytest.mark.parametrize("conditional", [True, False], ids=["conditional-node", "host-read-guard"])
 def test_a_guarded_graph_runs_its_body_only_where_the_guard_holds(conditional, monkeypatch):
-    import runtime.guarded
-    from kernels import nvcc
+    from flashrt.kernels import nvcc
+    from flashrt.runtime import guarded
 
     if conditional and nvcc.find() is None:
         pytest.skip("needs the CUDA toolkit's nvcc")
     if not conditional:
-        monkeypatch.setattr(runtime.guarded, "_library", lambda capability: None)
+        monkeypatch.setattr(guarded, "_library", lambda capability: None)
     b = toy.make(8, "cuda")
     gate, ok = torch.zeros(1, device="cuda"), torch.zeros(1, dtype=torch.bool, device="cuda")
-    g = Graph("toy").bind("state", b)
+    g = Graph("toy").bind(b)
     g.capture(1, lambda: toy.step(b), guard=lambda: torch.gt(gate, 0, out=ok))
     assert g._variants[1].run.__self__.conditional is conditional
     before = toy.state_bytes(b)

@@ -8,7 +8,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from runtime import BufferSet, CapsuleError, CapsuleRegistry, restore, slot, snapshot
+from flashrt.runtime import BufferSet, CapsuleError, CapsuleRegistry, restore, slot, snapshot
 
 ROW = 64  # every test capsule is k rows of 64 bytes
 

@@ -7,7 +7,7 @@ will be), so a continuation is a pure function of the buffers.
 
 import torch
 
-from runtime import BufferSet, scratch, shared, slot
+from flashrt.runtime import BufferSet, scratch, shared, slot
 
 SPECS = [
     slot("pos", (3,)),
