@@ -1,0 +1,271 @@
+"""The push task on MuJoCo's C library: ``num_slots`` ``MjData`` on one ``MjModel``, on the CPU.
+
+An external simulator: its state lives on the host, and :meth:`MujocoPush.get_state` /
+:meth:`MujocoPush.set_state` move whole slots of it as bytes. A slot's state is one row of
+``state_nbytes`` bytes: MuJoCo's integration state (``mj_getState`` with
+``mjSTATE_INTEGRATION``: time, qpos, qvel, act, the solver's warm start, ctrl, applied forces,
+... float64), then the task's int64 fields (instruction, tick, success, RNG key, RNG counter).
+The integration state is every input of ``mj_step``, so restoring a row and stepping gives the
+bytes the uninterrupted run gives. Position and velocity alone are not enough: the constraint
+solver starts from the previous step's accelerations (the warm start), and from another start
+its iterations stop at other bits, which contacts then amplify.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mujoco
+import numpy as np
+import torch
+
+from flashrt_gym.sims.push import PushConfig, PushTask, load_scene, yaw_of
+from flashrt_gym.sims.render import TopDownRenderer
+from flashrt_gym.tasks.tabletop import BACKGROUND, COLORS, EE_COLOR, GOAL_COLOR, GOALS
+
+STATE_SIG = int(mujoco.mjtState.mjSTATE_INTEGRATION)
+"""The ``mj_getState`` signature a slot's state holds."""
+
+TASK_FIELDS = ("instruction", "tick", "success", "key", "counter")
+"""The task's int64 fields after the physics in a state row, in order."""
+
+
+def _host(x: Any) -> np.ndarray:
+    """An array-like (NumPy, list, or torch tensor on any device) as a NumPy array."""
+    return np.asarray(x.cpu() if isinstance(x, torch.Tensor) else x)
+
+
+class MujocoPush:
+    """The batched push simulator on the CPU.
+
+    Args:
+        num_slots: parallel episodes.
+        cfg: the task's parameters (default: the shipped scene and the tabletop's defaults).
+    """
+
+    action_dim = 2
+    proprio_dim = 2
+
+    def __init__(self, num_slots: int, cfg: PushConfig | None = None) -> None:
+        if int(num_slots) < 1:
+            raise ValueError(f"num_slots must be >= 1, got {num_slots}")
+        self.cfg = cfg = cfg or PushConfig()
+        self.num_slots = int(num_slots)
+        self.model, self.layout = load_scene(cfg)
+        self.task = PushTask(cfg, self.layout)
+        self.instructions = self.task.instructions
+        self.image_size = cfg.table.image_size
+        self.data = [mujoco.MjData(self.model) for _ in range(self.num_slots)]
+        self.physics_size = mujoco.mj_stateSize(self.model, STATE_SIG)
+        self.state_nbytes = 8 * (self.physics_size + len(TASK_FIELDS))
+        self._vars = np.zeros((self.num_slots, len(TASK_FIELDS)), dtype=np.int64)
+        lay = self.layout
+        self._ee = np.array(lay.ee_qpos)
+        self._obj = np.array(lay.obj_qpos)[:, None] + np.arange(7)  # (K, 7): x y z qw qx qy qz
+        self._act = np.array(lay.ee_actuators)
+        self._speed = cfg.table.max_speed / lay.tick_seconds  # ctrl at |action| = 1
+        table = cfg.table
+        self.renderer = TopDownRenderer(
+            lay.footprints,
+            [COLORS[o.split()[0]] for o in table.objects],
+            [GOALS[g] for g in table.goals],
+            table.goal_radius,
+            table.ee_radius,
+            table.image_size,
+            BACKGROUND,
+            GOAL_COLOR,
+            EE_COLOR,
+        )
+        for d in self.data:
+            mujoco.mj_forward(self.model, d)
+
+    # -- task fields ---------------------------------------------------------------------------
+    def _field(self, name: str) -> np.ndarray:
+        return self._vars[:, TASK_FIELDS.index(name)]
+
+    @property
+    def instruction(self) -> np.ndarray:
+        """(slots,) int64 index into :attr:`instructions` of each slot's instruction (a copy)."""
+        return self._field("instruction").copy()
+
+    @property
+    def success(self) -> np.ndarray:
+        """(slots,) bool: the slot's episode has succeeded (it is frozen until reset)."""
+        return self._field("success") != 0
+
+    @property
+    def tick(self) -> np.ndarray:
+        """(slots,) int64 ticks run in the current episode (a copy)."""
+        return self._field("tick").copy()
+
+    @property
+    def state_dim(self) -> int:
+        """Length of :meth:`observation`."""
+        return self.task.state_dim
+
+    def _mask(self, mask: Any, what: str) -> np.ndarray:
+        if mask is None:
+            return np.ones(self.num_slots, dtype=bool)
+        m = _host(mask)
+        if m.dtype != np.bool_ or m.shape != (self.num_slots,):
+            raise ValueError(f"{what} must be a bool array of shape ({self.num_slots},), got {m.dtype} {m.shape}")
+        return m
+
+    def _slots(self, slots: Any) -> np.ndarray:
+        if slots is None:
+            return np.arange(self.num_slots)
+        s = _host(slots)
+        if s.ndim != 1 or (s.size and s.dtype.kind not in "iu"):
+            raise ValueError(f"slots must be a 1-D sequence of slot indices, got {s.dtype} {s.shape}")
+        s = s.astype(np.int64)
+        if s.size and (s.min() < 0 or s.max() >= self.num_slots):
+            raise ValueError(f"slot indices must lie in [0, {self.num_slots}), got {s.tolist()}")
+        if len(set(s.tolist())) != s.size:
+            raise ValueError(f"slot indices must be distinct, got {s.tolist()}")
+        return s
+
+    # -- episodes ------------------------------------------------------------------------------
+    def seed(self, seeds: Any, mask: Any = None) -> None:
+        """Set each slot's RNG key to its int64 seed and zero its counter, where ``mask``."""
+        s = _host(seeds)
+        if s.shape != (self.num_slots,) or s.dtype.kind not in "iu":
+            raise ValueError(f"seeds must be ({self.num_slots},) integers, one per slot, got {s.dtype} {s.shape}")
+        m = self._mask(mask, "mask")
+        self._field("key")[m] = s.astype(np.int64)[m]
+        self._field("counter")[m] = 0
+
+    def reset(self, mask: Any = None, instruction: Any = None) -> None:
+        """Draw a new episode from each slot's RNG where ``mask`` (all slots if None): the
+        tabletop's draws (so the same seed starts the same instruction and positions), a cold
+        MuJoCo state (zero velocities and warm start), objects upright. ``instruction``
+        (slots,) int64 forces instruction indices where >= 0."""
+        m = self._mask(mask, "mask")
+        forced = None
+        if instruction is not None:
+            forced = torch.as_tensor(_host(instruction))
+            n = len(self.instructions)
+            if forced.shape != (self.num_slots,) or forced.dtype != torch.int64 or int(forced.max()) >= n:
+                raise ValueError(f"instruction must be ({self.num_slots},) int64 indices below {n} (-1 keeps the draw)")
+        key = torch.from_numpy(self._field("key").copy())
+        counter = torch.from_numpy(self._field("counter").copy())
+        drawn, ee, obj = (t.numpy() for t in self.task.draw(key, counter, forced))
+        lay = self.layout
+        for i in np.flatnonzero(m):
+            d = self.data[i]
+            mujoco.mj_resetData(self.model, d)
+            d.qpos[self._ee] = ee[i]
+            for k in range(self.task.num_objects):
+                d.qpos[self._obj[k]] = [*obj[i, k], lay.obj_z[k], 1.0, 0.0, 0.0, 0.0]
+            mujoco.mj_forward(self.model, d)
+        self._field("instruction")[m] = drawn[m]
+        self._field("tick")[m] = 0
+        self._field("success")[m] = 0
+        self._field("counter")[m] += 1
+
+    # -- physics -------------------------------------------------------------------------------
+    def _qpos(self) -> np.ndarray:
+        return np.stack([d.qpos for d in self.data])
+
+    def poses(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(slots, 2) end-effector positions, (slots, K, 2) object positions and (slots, K) object
+        headings, float64 tensors."""
+        q = torch.from_numpy(self._qpos())
+        obj = q[:, self._obj]  # (N, K, 7)
+        return q[:, self._ee], obj[..., :2], yaw_of(obj[..., 3:7])
+
+    def run_ticks(self, actions: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Advance every slot ``T`` ticks under ``actions`` (slots, T, 2) in [-1, 1] (clipped);
+        each tick is ``frame_skip`` physics steps at the commanded end-effector velocity.
+        Slots that have succeeded are frozen (not stepped).
+
+        Returns:
+            (dense, sparse) rewards summed over the ticks, each (slots,) float32, and
+            (slots,) bool success after them.
+        """
+        a = _host(actions).astype(np.float64)
+        if a.ndim != 3 or a.shape[0] != self.num_slots or a.shape[2] != 2:
+            raise ValueError(f"actions must have shape ({self.num_slots}, T, 2), got {a.shape}")
+        if not np.isfinite(a).all():
+            raise ValueError("actions contain NaN or infinity")
+        a = np.clip(a, -1.0, 1.0) * self._speed
+        dense = torch.zeros(self.num_slots, dtype=torch.float64)
+        sparse = torch.zeros(self.num_slots, dtype=torch.float64)
+        instr = torch.from_numpy(self._field("instruction").copy())
+        ee, obj, _ = self.poses()
+        before = self.task.distances(ee, obj, instr)
+        skip = self.cfg.frame_skip
+        for t in range(a.shape[1]):
+            alive = ~self.success
+            for i in np.flatnonzero(alive):
+                d = self.data[i]
+                d.ctrl[self._act] = a[i, t]
+                mujoco.mj_step(self.model, d, nstep=skip)
+            ee, obj, _ = self.poses()
+            after = self.task.distances(ee, obj, instr)
+            dn, sp, success = self.task.rewards(before, after, torch.from_numpy(alive))
+            dense += dn
+            sparse += sp
+            self._field("success")[:] = success.numpy()
+            self._field("tick")[alive] += 1
+            before = after
+        return dense.float().numpy(), sparse.float().numpy(), self.success
+
+    # -- observations --------------------------------------------------------------------------
+    def observation(self) -> np.ndarray:
+        """(slots, state_dim) float32 low-dimensional observation (the tabletop's ``state``)."""
+        ee, obj, _ = self.poses()
+        return self.task.observation(ee, obj, torch.from_numpy(self._field("instruction").copy())).numpy()
+
+    def proprio(self) -> np.ndarray:
+        """(slots, 2) float32 end-effector position: the policy's proprioceptive input."""
+        return self._qpos()[:, self._ee].astype(np.float32)
+
+    def render(self) -> np.ndarray:
+        """(slots, H, W, 3) uint8 top-down images (:class:`~flashrt_gym.sims.render.TopDownRenderer`)."""
+        ee, obj, yaw = self.poses()
+        return self.renderer(ee, obj, yaw).numpy()
+
+    def expert(self) -> np.ndarray:
+        """(slots, 2) float32 actions of the scripted pusher (:meth:`PushTask.expert`)."""
+        ee, obj, yaw = self.poses()
+        instr = torch.from_numpy(self._field("instruction").copy())
+        return self.task.expert(ee, obj, yaw, instr).float().numpy()
+
+    # -- state ---------------------------------------------------------------------------------
+    def get_state(self, slots: Any = None) -> np.ndarray:
+        """(len(slots), state_nbytes) uint8 rows of the slots' whole state (all slots if None)."""
+        s = self._slots(slots)
+        out = np.empty((s.size, self.physics_size + len(TASK_FIELDS)), dtype=np.float64)
+        for row, i in enumerate(s):
+            mujoco.mj_getState(self.model, self.data[i], out[row, : self.physics_size], STATE_SIG)
+        out[:, self.physics_size :] = self._vars[s].view(np.float64)
+        return out.view(np.uint8)
+
+    def set_state(self, slots: Any, states: Any) -> None:
+        """Write rows from :meth:`get_state` (of this scene) into ``slots``; all-or-nothing: every
+        row is checked before any slot changes."""
+        s = self._slots(slots)
+        rows = _host(states)
+        if rows.dtype != np.uint8 or rows.shape != (s.size, self.state_nbytes):
+            raise ValueError(
+                f"states must be uint8 of shape ({s.size}, {self.state_nbytes}) (rows of get_state), got "
+                f"{rows.dtype} {rows.shape}"
+            )
+        rows = np.ascontiguousarray(rows)
+        physics = rows[:, : 8 * self.physics_size].view(np.float64)
+        fields = rows[:, 8 * self.physics_size :].view(np.int64)
+        bad = []
+        if not np.isfinite(physics).all():
+            bad.append("non-finite physics values")
+        instr, tick, success = (fields[:, TASK_FIELDS.index(n)] for n in ("instruction", "tick", "success"))
+        if ((instr < 0) | (instr >= len(self.instructions))).any():
+            bad.append(f"instruction indices outside [0, {len(self.instructions)})")
+        if (tick < 0).any() or ((success != 0) & (success != 1)).any():
+            bad.append("negative ticks or success flags other than 0/1")
+        if bad:
+            raise ValueError(
+                f"states are not rows of this simulator's get_state: {', '.join(bad)}; nothing was written"
+            )
+        for row, i in enumerate(s):
+            mujoco.mj_setState(self.model, self.data[i], physics[row], STATE_SIG)
+        self._vars[s] = fields
