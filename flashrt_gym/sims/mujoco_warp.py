@@ -62,7 +62,7 @@ def state_offsets(model: mujoco.MjModel, sig: int = STATE_SIG) -> dict[str, int]
 
 
 @functools.cache
-def _warp() -> SimpleNamespace:
+def warp_api() -> SimpleNamespace:
     """Import Warp and MuJoCo Warp, and define the task's kernels (once)."""
     try:
         import mujoco_warp as mjw
@@ -163,7 +163,7 @@ class WarpPush:
     ) -> None:
         if int(num_slots) < 1:
             raise ValueError(f"num_slots must be >= 1, got {num_slots}")
-        self.k = k = _warp()
+        self.k = k = warp_api()
         self.cfg = cfg = cfg or PushConfig()
         self.num_slots = n = int(num_slots)
         self.device = torch.device(device)
@@ -202,6 +202,7 @@ class WarpPush:
         self._sparse = torch.zeros(n, **f32)
         self._scratch = (self._state, self._dist, self._alive, self._tick, self._dense, self._sparse)
         self._programs: dict[int, dict[str, Any]] = {}
+        self._streams: dict[int, Any] = {}
         table = cfg.table
         self.renderer = TopDownRenderer(
             lay.footprints,
@@ -327,7 +328,12 @@ class WarpPush:
         (captured at the first call, after one eager warm-up that compiles the kernels), or
         eager launches."""
         p, wp = self._programs[ticks], self.k.wp
-        stream = wp.stream_from_torch(torch.cuda.current_stream(self.device)) if self.device.type == "cuda" else None
+        stream = None
+        if self.device.type == "cuda":
+            current = torch.cuda.current_stream(self.device)
+            if current.cuda_stream not in self._streams:  # one Warp handle per torch stream
+                self._streams[current.cuda_stream] = wp.stream_from_torch(current)
+            stream = self._streams[current.cuda_stream]
         with wp.ScopedDevice(self.wp_device), wp.ScopedStream(stream) if stream else contextlib.nullcontext():
             if not self.graph:
                 self._launch(ticks)
