@@ -26,7 +26,7 @@ from typing import Any, Literal
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import safe_open, save_file
+from safetensors.torch import safe_open, save
 
 from flashrt.runtime.buffers import ALIGN, BufferSet, BufferSpec, dtype_from_name, dtype_name
 from flashrt.runtime.files import atomic_write
@@ -191,7 +191,8 @@ class Capsule:
 
     # -- disk --------------------------------------------------------------------------------
     def save(self, path: str | os.PathLike) -> Path:
-        """Write the capsule to a safetensors file atomically (temp file, fsync, rename).
+        """Write the capsule to a safetensors file atomically (one temporary file beside it,
+        fsync, rename; see :func:`flashrt.runtime.atomic_write`).
 
         One tensor per buffer (slot buffers as ``(k, *shape)``), the descriptor and a SHA-256
         of the tensors' bytes as metadata. An interrupted write leaves no file at ``path``.
@@ -208,7 +209,8 @@ class Capsule:
             "descriptor": self.descriptor.to_json(),
             "sha256": _checksum(tensors, self.descriptor),
         }
-        atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata=meta))
+        data = save(tensors, metadata=meta)  # in memory: safetensors' save_file makes a temporary file of its own
+        atomic_write(path, lambda f: f.write(data))
         self.path = path
         return path
 

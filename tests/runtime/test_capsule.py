@@ -1,10 +1,7 @@
-import os
-
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from flashrt import runtime
 from flashrt.runtime import (
     BufferSet,
     Capsule,
@@ -264,32 +261,6 @@ def test_a_corrupted_file_never_reaches_the_buffers(tmp_path):
     with pytest.raises(CapsuleFileError):
         restore(b, cap)
     assert toy.same_state(b, before)
-
-
-def test_an_interrupted_write_leaves_no_partial_file_and_keeps_the_old_one(tmp_path, monkeypatch):
-    b = toy.make(3)
-    path = snapshot(b, meta={"v": 1}).save(tmp_path / "c.safetensors")
-    old = path.read_bytes()
-
-    def crash(*args, **kwargs):
-        raise OSError("disk full")
-
-    monkeypatch.setattr(os, "replace", crash)
-    run(b, 2)
-    with pytest.raises(OSError, match="disk full"):
-        snapshot(b, meta={"v": 2}).save(path)
-    assert path.read_bytes() == old
-    assert [p.name for p in tmp_path.iterdir()] == ["c.safetensors"]
-
-    def half_write(tensors, filename, metadata=None):
-        with open(filename, "wb") as f:
-            f.write(b"\x00" * 10)
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(runtime.capsule, "save_file", half_write)
-    with pytest.raises(KeyboardInterrupt):
-        snapshot(b).save(tmp_path / "new.safetensors")
-    assert [p.name for p in tmp_path.iterdir()] == ["c.safetensors"]
 
 
 def test_masked_restore_and_copy_rows_match_per_slot_restore():
