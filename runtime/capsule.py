@@ -9,7 +9,9 @@ Verbs (all byte copies; nothing is recomputed or recaptured):
 
 A capsule lives in one tier at a time: ``gpu`` (the origin device), ``host`` (pinned memory,
 asynchronous copies) or ``disk`` (a safetensors file written atomically, its descriptor and data
-under one checksum verified on load: :mod:`flashrt.runtime.capsule_file`).
+under one checksum verified on load: :mod:`flashrt.runtime.capsule_file`). A capsule's bytes are
+never written in place once taken: a move between tiers makes new tensors, so two capsule
+objects may share bytes safely.
 """
 
 from __future__ import annotations
@@ -107,33 +109,46 @@ class Capsule:
         was saved before, and frees the in-memory bytes; leaving ``disk`` reads and verifies the
         file.
         """
+        moved = self.moved(tier, path=path, stream=stream)
+        self.rows, self.shared, self.tier, self.path, self.ready = (
+            moved.rows,
+            moved.shared,
+            moved.tier,
+            moved.path,
+            moved.ready,
+        )
+        return self
+
+    def moved(self, tier: Tier, *, path: str | os.PathLike | None = None, stream: Stream | None = None) -> Capsule:
+        """A new capsule object holding this one's boundary in ``tier``; this one is unchanged
+        (its ``path`` too). See :meth:`to` for what each move does. The same tier gives a new
+        object over the same bytes: what a holder that must not be disturbed by moves of the
+        other object keeps (a registry entry)."""
         if tier not in TIERS:
             raise ValueError(f"tier must be one of {TIERS}, got {tier!r}")
+        d, out = self.descriptor, None
         if tier == self.tier:
-            return self
-        if tier == "disk":
+            out = Capsule(d, self.rows, self.shared, tier=tier, device=self.device, path=self.path, ready=self.ready)
+        elif tier == "disk":
             target = Path(path) if path is not None else self.path
             if target is None:
                 raise ValueError("moving a capsule to the disk tier needs path=...")
-            self.save(target)
-            self.rows = self.shared = None
-            self.tier = "disk"
-            return self
-        if self.tier == "disk":
-            loaded = _loaded(self, self.device, tier)
-            self.rows, self.shared, self.ready = loaded.rows, loaded.shared, loaded.ready
-            self.tier = tier
-            return self
-        assert self.rows is not None and self.shared is not None
-        target_device = self.device if tier == "gpu" else torch.device("cpu")
-        stream = stream or Stream.current(self.device)
-        with stream:
-            stream.wait(self.ready)
-            self.rows = _to_device(self.rows, target_device)
-            self.shared = _to_device(self.shared, target_device)
-            self.ready = Event.record_on(stream)
-        self.tier = tier
-        return self
+            self._write(target)
+            out = Capsule(d, None, None, tier="disk", device=self.device, path=target)
+        elif self.tier == "disk":
+            out = _loaded(self, self.device, tier)
+            out.path = self.path
+        else:
+            assert self.rows is not None and self.shared is not None
+            target_device = self.device if tier == "gpu" else torch.device("cpu")
+            stream = stream or Stream.current(self.device)
+            with stream:
+                stream.wait(self.ready)
+                rows, shared = _to_device(self.rows, target_device), _to_device(self.shared, target_device)
+                ready = Event.record_on(stream)
+            out = Capsule(d, rows, shared, tier=tier, device=self.device, path=self.path, ready=ready)
+        out.origin, out.checked_for = self.origin, self.checked_for
+        return out
 
     # -- disk --------------------------------------------------------------------------------
     def save(self, path: str | os.PathLike) -> Path:
@@ -149,6 +164,11 @@ class Capsule:
                     f"capsule is on disk at {self.path}; promote it (capsule.to('host')) before saving elsewhere"
                 )
             return path
+        self._write(path)
+        self.path = path
+        return path
+
+    def _write(self, path: Path) -> None:
         d = self.descriptor
         odd = [f"{e.name} ({e.dtype})" for e in d.entries if e.dtype not in DTYPES or e.name == "__metadata__"]
         if odd:
@@ -159,8 +179,6 @@ class Capsule:
         assert self.rows is not None and self.shared is not None
         self.ready.synchronize()
         capsule_file.save(path, d, self.rows.cpu(), self.shared.cpu())
-        self.path = path
-        return path
 
     @classmethod
     def load(cls, path: str | os.PathLike, *, device: torch.device | str = "cpu", tier: Tier = "gpu") -> Capsule:

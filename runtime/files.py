@@ -37,7 +37,7 @@ def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], object]) -
     dead writers in the folder are removed first (see the module docstring)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    clean_stale_temps(path.parent)
+    clean_stale(path.parent)
     tmp = path.parent / f".{path.name[:128]}.flashrt-{HOST}-{os.getpid()}-{secrets.token_hex(8)}.tmp"
     try:
         with open(tmp, "xb") as f:  # O_EXCL; mode 0o666 less the umask
@@ -56,16 +56,18 @@ def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], object]) -
     return path
 
 
-def clean_stale_temps(folder: str | os.PathLike) -> list[Path]:
-    """Remove the temporary files :func:`atomic_write` left in ``folder`` when its writer died;
-    return the paths removed. Files of other hosts, of live writers and every other file stay."""
+def clean_stale(folder: str | os.PathLike, pattern: re.Pattern[str] = TEMP_PATTERN) -> list[Path]:
+    """Remove the files in ``folder`` whose names match ``pattern`` (with groups ``host`` and
+    ``pid``: by default :func:`atomic_write`'s temporary files) and whose writer on this host
+    is gone; return the paths removed. Files of other hosts, of live writers, and every file
+    that does not match stay."""
     removed = []
     try:
         entries = list(os.scandir(folder))
     except OSError:  # not a folder (yet): nothing to clean; the write that follows says why it fails
         return removed
     for entry in entries:
-        m = TEMP_PATTERN.fullmatch(entry.name)
+        m = pattern.fullmatch(entry.name)
         if m is None or m["host"] != HOST:
             continue
         with contextlib.suppress(OSError):  # raced with another cleaner, or not ours to remove

@@ -274,3 +274,15 @@ def test_masked_restore_and_copy_rows_match_per_slot_restore():
     assert torch.equal(b.slot_arena, expected)
     copy_rows(b.slot_arena, torch.tensor([2, 4]), start.rows[[0, 0]])
     assert torch.equal(b.slot_arena[2], start.rows[0]) and torch.equal(b.slot_arena[4], start.rows[0])
+
+
+def test_moved_makes_a_new_capsule_and_leaves_the_source_alone(tmp_path):
+    b = toy.make(3)
+    cap = snapshot(b, meta={"k": 1})
+    on_disk = cap.moved("disk", path=tmp_path / "m.safetensors")
+    assert (cap.tier, cap.path, on_disk.tier, on_disk.rows) == ("gpu", None, "disk", None)
+    back = on_disk.moved("host")
+    assert on_disk.tier == "disk" and back.tier == "host" and torch.equal(back.rows, cap.rows)
+    same = cap.moved("gpu")
+    assert same is not cap and same.rows is cap.rows and same.origin == cap.origin
+    rollback(b, same)  # the same boundary of the same set

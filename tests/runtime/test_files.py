@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from flashrt.runtime import BufferSet, Capsule, atomic_write, restore, slot, snapshot
-from flashrt.runtime.files import HOST, TEMP_PATTERN, clean_stale_temps
+from flashrt.runtime.files import HOST, TEMP_PATTERN, clean_stale
 from tests.runtime import toy
 
 
@@ -80,7 +80,7 @@ def test_only_stale_temps_of_this_pattern_and_host_are_cleaned(tmp_path):
     atomic_write(tmp_path / "g.json", lambda f: f.write(b"{}"))
     left = {p.name for p in tmp_path.iterdir()}
     assert left == {names[k] for k in ("live", "other_host", "user_tmp", "user_file")} | {"g.json"}
-    assert clean_stale_temps(tmp_path / "absent") == []
+    assert clean_stale(tmp_path / "absent") == []
 
 
 KILLER = textwrap.dedent(
