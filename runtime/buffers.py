@@ -188,6 +188,9 @@ class BufferSet(Mapping[str, torch.Tensor]):
 
     def _view(self, p: Placement) -> torch.Tensor:
         s = p.spec
+        if s.nbytes == 0:  # no bytes to view (a dtype view of an empty span is refused)
+            lead = (self.num_slots,) if s.kind == "slot" else ()
+            return torch.empty((*lead, *s.shape), dtype=s.dtype, device=self.device)
         if s.kind == "slot":
             raw = self.slot_arena[:, p.offset : p.offset + s.nbytes]
             return raw.view(s.dtype).view(self.num_slots, *s.shape)

@@ -2,8 +2,8 @@
 
 Rules, all of them:
 
-1. Each tier (``gpu``, ``host``, ``disk``) has a byte budget (``None``: unbounded; ``disk`` is
-   off unless the registry has a ``root`` folder).
+1. Each tier (``gpu``, ``host``, ``disk``) has a byte budget the caller chose (``None``:
+   unbounded; ``disk`` is off unless the registry has a ``root`` folder).
 2. A pinned capsule never moves and is never evicted; pinning more than a tier's budget is
    refused.
 3. When a tier is over budget, its least recently used unpinned capsule moves one tier down
@@ -73,12 +73,18 @@ class _Item:
 class CapsuleRegistry:
     """Named capsules with per-tier byte budgets, pinning, LRU demotion and promotion on use.
 
+    Every budget is the caller's choice (nothing here grows past a bound the caller did not
+    pick): ``gpu_bytes`` and ``host_bytes`` are required, and a ``root`` needs ``disk_bytes``.
+    A budget counts the capsules' state bytes (:attr:`Capsule.nbytes`).
+
     Args:
         root: folder for the disk tier (None: no disk tier; demotion past host evicts).
-        gpu_bytes, host_bytes, disk_bytes: budgets per tier; None means unbounded.
+        gpu_bytes, host_bytes: budgets of the memory tiers, in bytes; None means unbounded
+            (an explicit choice).
+        disk_bytes: budget of the disk tier (with ``root`` only); None means unbounded.
 
     Example:
-        >>> reg = CapsuleRegistry("capsules/", gpu_bytes=1 << 30, host_bytes=8 << 30)
+        >>> reg = CapsuleRegistry("capsules/", gpu_bytes=1 << 30, host_bytes=8 << 30, disk_bytes=64 << 30)
         >>> reg.put("episode-start", snapshot(bufs), pin=True)
         >>> restore(bufs, reg.get("episode-start"))
     """
@@ -87,19 +93,22 @@ class CapsuleRegistry:
         self,
         root: str | os.PathLike | None = None,
         *,
-        gpu_bytes: int | None = None,
-        host_bytes: int | None = None,
-        disk_bytes: int | None = None,
+        gpu_bytes: int | None,
+        host_bytes: int | None,
+        disk_bytes: int | None = 0,
     ) -> None:
         self.root = Path(root) if root is not None else None
-        self.budgets: dict[Tier, int | None] = {
-            "gpu": gpu_bytes,
-            "host": host_bytes,
-            "disk": disk_bytes if self.root is not None else 0,
-        }
+        self.budgets: dict[Tier, int | None] = {"gpu": gpu_bytes, "host": host_bytes, "disk": disk_bytes}
         for tier, b in self.budgets.items():
-            if b is not None and b < 0:
-                raise ValueError(f"{tier}_bytes must be >= 0 or None, got {b}")
+            if b is not None and (type(b) is not int or b < 0):
+                raise ValueError(f"{tier}_bytes must be an int >= 0, or None for no bound, got {b!r}")
+        if self.root is None and disk_bytes != 0:
+            raise ValueError(f"disk_bytes={disk_bytes} needs a disk tier: pass root=<folder>, or leave disk_bytes out")
+        if self.root is not None and disk_bytes == 0:
+            raise ValueError(
+                f"a root folder ({self.root}) makes a disk tier: give it a budget, disk_bytes=<bytes> "
+                "(None for no bound)"
+            )
         if self.root is not None:
             try:
                 self.root.mkdir(parents=True, exist_ok=True)
@@ -164,6 +173,11 @@ class CapsuleRegistry:
             raise ValueError(f"capsule name {name!r} must match {_NAME.pattern}")
         if not isinstance(capsule, Capsule):
             raise TypeError(f"put takes a Capsule, got {type(capsule).__name__}")
+        if capsule.nbytes == 0:
+            raise CapsuleError(
+                f"capsule {name!r} holds no state bytes, so no budget would bound how many such entries are kept; "
+                "snapshot at least one buffer"
+            )
         if pin:
             self._check_pin_fits(name, capsule.tier, capsule.nbytes)
         old = self._items.get(name)

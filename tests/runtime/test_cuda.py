@@ -124,7 +124,7 @@ def test_host_tier_round_trip_and_registry_promotion(tmp_path):
     ref = toy.state_bytes(b)
     cap = snapshot(b, tier="host")
     assert cap.rows.is_pinned() and cap.rows.device.type == "cpu"
-    reg = CapsuleRegistry(tmp_path, gpu_bytes=b.state_nbytes, host_bytes=4 * b.state_nbytes)
+    reg = CapsuleRegistry(tmp_path, gpu_bytes=b.state_nbytes, host_bytes=4 * b.state_nbytes, disk_bytes=None)
     reg.put("a", cap)
     reg.put("b", snapshot(b))
     assert reg.tier_of("a") == "host"

@@ -48,7 +48,7 @@ def owners(root) -> list[str]:
 
 
 def test_lru_demotion_cascades_down_the_tiers(tmp_path):
-    reg = CapsuleRegistry(tmp_path, gpu_bytes=2 * ROW, host_bytes=2 * ROW)
+    reg = CapsuleRegistry(tmp_path, gpu_bytes=2 * ROW, host_bytes=2 * ROW, disk_bytes=None)
     for i in range(5):
         reg.put(f"c{i}", capsule_of(1, i))
     assert [reg.tier_of(f"c{i}") for i in range(5)] == ["disk", "host", "host", "gpu", "gpu"]
@@ -77,7 +77,7 @@ def test_pinned_capsules_never_move_and_cannot_overfill_a_tier():
 
 
 def test_a_capsule_too_big_for_a_tier_enters_below_it_and_flushes_nothing(tmp_path):
-    reg = CapsuleRegistry(tmp_path, gpu_bytes=ROW, host_bytes=4 * ROW)
+    reg = CapsuleRegistry(tmp_path, gpu_bytes=ROW, host_bytes=4 * ROW, disk_bytes=None)
     reg.put("small", capsule_of(1, 1))
     reg.put("big", capsule_of(3, 2))
     assert reg.tier_of("big") == "host" and reg.tier_of("small") == "gpu"
@@ -89,7 +89,7 @@ def test_a_capsule_too_big_for_a_tier_enters_below_it_and_flushes_nothing(tmp_pa
 
 def test_a_capsule_put_from_disk_keeps_its_file(tmp_path):
     cap = capsule_of(1, 5).to("disk", path=tmp_path / "mine.safetensors")
-    reg = CapsuleRegistry(tmp_path / "reg", gpu_bytes=ROW)
+    reg = CapsuleRegistry(tmp_path / "reg", gpu_bytes=ROW, host_bytes=None, disk_bytes=None)
     reg.put("mine", cap)
     assert reg.tier_of("mine") == "disk" and content(reg.get("mine")) == 5 and reg.tier_of("mine") == "gpu"
     reg.evict("mine")
@@ -97,7 +97,7 @@ def test_a_capsule_put_from_disk_keeps_its_file(tmp_path):
 
 
 def test_misses_hits_replace_and_bad_names():
-    reg = CapsuleRegistry()
+    reg = CapsuleRegistry(gpu_bytes=None, host_bytes=None)
     reg.put("a", capsule_of(1, 1))
     reg.put("a", capsule_of(1, 2))
     assert content(reg.get("a")) == 2 and len(reg) == 1
@@ -109,10 +109,24 @@ def test_misses_hits_replace_and_bad_names():
         reg.put("../escape", capsule_of(1, 1))
     with pytest.raises(TypeError, match="takes a Capsule"):
         reg.put("x", "not a capsule")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="gpu_bytes must be"):
-        CapsuleRegistry(gpu_bytes=-1)
     reg.evict("a")
     assert len(reg) == 0 and reg.stats.evictions == 1
+
+
+def test_every_budget_is_the_callers_choice(tmp_path):
+    with pytest.raises(TypeError, match="gpu_bytes"):
+        CapsuleRegistry(host_bytes=ROW)  # type: ignore[call-arg]
+    with pytest.raises(ValueError, match="gpu_bytes must be an int >= 0, or None for no bound"):
+        CapsuleRegistry(gpu_bytes=-1, host_bytes=0)
+    with pytest.raises(ValueError, match="host_bytes must be an int"):
+        CapsuleRegistry(gpu_bytes=0, host_bytes=1.5e9)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="give it a budget, disk_bytes="):
+        CapsuleRegistry(tmp_path, gpu_bytes=0, host_bytes=0)
+    with pytest.raises(ValueError, match="needs a disk tier: pass root="):
+        CapsuleRegistry(gpu_bytes=0, host_bytes=0, disk_bytes=ROW)
+    b = BufferSet([slot("x", (0,))], 2, deployment="reg")
+    with pytest.raises(CapsuleError, match="holds no state bytes"):
+        CapsuleRegistry(gpu_bytes=None, host_bytes=None).put("empty", snapshot(b))
 
 
 def state_of(reg: CapsuleRegistry) -> tuple:
@@ -122,7 +136,7 @@ def state_of(reg: CapsuleRegistry) -> tuple:
 
 def test_a_failing_disk_changes_nothing_and_names_the_path(tmp_path):
     root = tmp_path / "root"
-    reg = CapsuleRegistry(root, gpu_bytes=ROW, host_bytes=ROW)
+    reg = CapsuleRegistry(root, gpu_bytes=ROW, host_bytes=ROW, disk_bytes=None)
     reg.put("a", capsule_of(1, 1))
     reg.put("b", capsule_of(1, 2))  # a -> host
     before = state_of(reg)
@@ -141,11 +155,11 @@ def test_a_failing_disk_changes_nothing_and_names_the_path(tmp_path):
 def test_a_root_that_cannot_be_a_folder_is_refused_at_open(tmp_path):
     (tmp_path / "file").write_bytes(b"x")
     with pytest.raises(CapsuleError, match="cannot be made a folder.*root=None for no disk tier"):
-        CapsuleRegistry(tmp_path / "file", gpu_bytes=0, host_bytes=0)
+        CapsuleRegistry(tmp_path / "file", gpu_bytes=0, host_bytes=0, disk_bytes=None)
 
 
 def test_a_file_gone_bad_on_disk_fails_get_and_changes_nothing(tmp_path):
-    reg = CapsuleRegistry(tmp_path, gpu_bytes=ROW, host_bytes=0)
+    reg = CapsuleRegistry(tmp_path, gpu_bytes=ROW, host_bytes=0, disk_bytes=None)
     reg.put("a", capsule_of(1, 1))
     reg.put("b", capsule_of(1, 2))  # a -> disk
     (path,) = tmp_path.iterdir()
@@ -160,7 +174,7 @@ def test_a_users_files_in_the_root_are_never_written(tmp_path):
     mine = capsule_of(1, 7).save(tmp_path / "a.safetensors")
     also_mine = tmp_path / "a.flashrt-notes.txt"
     also_mine.write_text("keep")
-    reg = CapsuleRegistry(tmp_path, gpu_bytes=ROW, host_bytes=0)
+    reg = CapsuleRegistry(tmp_path, gpu_bytes=ROW, host_bytes=0, disk_bytes=None)
     for i in range(4):
         reg.put("a", capsule_of(1, i))
         reg.put(f"x{i}", capsule_of(1, 10 + i))  # "a" -> disk, under a name of the registry's own
@@ -170,7 +184,7 @@ def test_a_users_files_in_the_root_are_never_written(tmp_path):
 
 def test_one_capsule_under_two_names_and_the_callers_object_are_independent(tmp_path):
     cap = capsule_of(1, 5)
-    reg = CapsuleRegistry(tmp_path, gpu_bytes=2 * ROW, host_bytes=0)
+    reg = CapsuleRegistry(tmp_path, gpu_bytes=2 * ROW, host_bytes=0, disk_bytes=None)
     reg.put("x", cap)
     reg.put("y", cap)
     reg.put("z", capsule_of(1, 6))  # x -> disk; y and the caller's object stay where they are
@@ -193,12 +207,12 @@ def test_files_of_dead_registries_and_temps_go_when_a_registry_opens_the_root(tm
     user = tmp_path / "a.safetensors"
     for p in (orphan, temp, live, user):
         p.write_bytes(b"x")
-    CapsuleRegistry(tmp_path, gpu_bytes=0, host_bytes=0)
+    CapsuleRegistry(tmp_path, gpu_bytes=0, host_bytes=0, disk_bytes=None)
     assert sorted(os.listdir(tmp_path)) == sorted([live.name, user.name])
 
 
 def test_a_registry_removes_its_files_when_it_goes(tmp_path):
-    reg = CapsuleRegistry(tmp_path, gpu_bytes=0, host_bytes=0)
+    reg = CapsuleRegistry(tmp_path, gpu_bytes=0, host_bytes=0, disk_bytes=None)
     for i in range(3):
         reg.put(f"c{i}", capsule_of(1, i))
     assert owners(tmp_path) == ["c0", "c1", "c2"]
@@ -256,7 +270,7 @@ class RegistryMachine(RuleBasedStateMachine):
     """The registry against :class:`Model`, with a disk that can fail: then every step whose
     model transition writes a file must raise CapsuleError and change nothing."""
 
-    @initialize(gpu=st.integers(0, 4), host=st.integers(0, 4), disk=st.integers(0, 6))
+    @initialize(gpu=st.integers(0, 4), host=st.integers(0, 4), disk=st.integers(1, 6))
     def setup(self, gpu, host, disk):
         self.root = tempfile.mkdtemp()
         budgets = {"gpu": gpu * ROW, "host": host * ROW, "disk": disk * ROW}
