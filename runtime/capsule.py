@@ -27,7 +27,7 @@ from typing import Any, Literal
 import torch
 
 from flashrt.runtime import capsule_file
-from flashrt.runtime.buffers import BufferSet, BufferSpec, dtype_name
+from flashrt.runtime.buffers import BufferSet, BufferSpec, dtype_from_name, dtype_name
 from flashrt.runtime.descriptor import (
     DTYPES,
     CapsuleError,
@@ -49,7 +49,8 @@ FORMAT = capsule_file.FORMAT
 class Capsule:
     """A committed boundary: a descriptor plus the bytes, in one tier.
 
-    Build capsules with :func:`snapshot` or :meth:`load`; move them with :meth:`to`.
+    Build capsules with :func:`snapshot` or :meth:`load`; move them with :meth:`to`; read one
+    buffer with :meth:`tensor`.
 
     Attributes:
         descriptor: names, shapes, dtypes, slots, owner metadata and digests.
@@ -99,6 +100,35 @@ class Capsule:
     def __repr__(self) -> str:
         slots = "all" if self.slots is None else list(self.slots)
         return f"Capsule({len(self.descriptor.entries)} buffers, slots={slots}, {self.nbytes} B, tier={self.tier})"
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """A typed view of one buffer's bytes in the capsule, without a copy: ``(k, *shape)``
+        for a slot buffer (row i is the capsule's i-th slot), ``shape`` for a shared one.
+
+        For owners that check what a capsule carries before restoring it. The view is ordered
+        after the capsule's own copy (the current stream waits for it; a host-tier capsule is
+        waited for on the host). Read it, never write it: capsule bytes may be shared.
+        """
+        e = next((e for e in self.descriptor.entries if e.name == name), None)
+        if e is None:
+            names = [e.name for e in self.descriptor.entries]
+            raise KeyError(f"the capsule holds no buffer {name!r}; it holds {names}")
+        if self.tier == "disk":
+            raise CapsuleError(
+                f"the capsule is on disk ({self.path}); bring it into memory first, e.g. capsule.to('host'), "
+                "or load it with Capsule.load"
+            )
+        assert self.rows is not None and self.shared is not None
+        if self.tier == "host":
+            self.ready.synchronize()
+        else:
+            Stream.current(self.device).wait(self.ready)
+        dtype = dtype_from_name(e.dtype)
+        shape = (self.rows.shape[0], *e.shape) if e.kind == "slot" else e.shape
+        if e.nbytes == 0:  # nothing to view (a dtype view of an empty span is refused)
+            return torch.empty(shape, dtype=dtype, device=self.rows.device)
+        raw = self.rows[:, e.offset : e.offset + e.nbytes] if e.kind == "slot" else self.shared[e.offset :][: e.nbytes]
+        return raw.view(dtype).view(shape)
 
     # -- tiers -------------------------------------------------------------------------------
     def to(self, tier: Tier, *, path: str | os.PathLike | None = None, stream: Stream | None = None) -> Capsule:

@@ -286,3 +286,36 @@ def test_moved_makes_a_new_capsule_and_leaves_the_source_alone(tmp_path):
     same = cap.moved("gpu")
     assert same is not cap and same.rows is cap.rows and same.origin == cap.origin
     rollback(b, same)  # the same boundary of the same set
+
+
+@pytest.mark.parametrize("tier", ["gpu", "host", "file"])
+def test_tensor_is_a_typed_view_of_the_capsules_bytes(tmp_path, tier):
+    b = toy.make(5)
+    run(b, 3)
+    whole = snapshot(b, tier="gpu" if tier == "file" else tier)
+    part = snapshot(b, [4, 1], names=["hist", "done", "key"], tier="gpu" if tier == "file" else tier)
+    if tier == "file":
+        whole = Capsule.load(whole.save(tmp_path / "w.safetensors"), tier="host")
+        part = Capsule.load(part.save(tmp_path / "p.safetensors"))
+    live = {n: b[n].clone() for n in b.names("slot", "shared")}
+    toy.scramble(b)  # a capsule is the boundary, not a view of the live set
+    for name, want in live.items():
+        got = whole.tensor(name)
+        assert got.dtype == want.dtype and torch.equal(got, want), name
+        assert got.untyped_storage().data_ptr() in (whole.rows.data_ptr(), whole.shared.data_ptr())  # no copy
+    for name in ("hist", "done", "key"):
+        assert torch.equal(part.tensor(name), live[name][[4, 1]])
+    assert not torch.equal(part.tensor("key"), live["key"][[1, 4]])  # rows in the capsule's slot order
+    with pytest.raises(KeyError, match=r"no buffer 'pos'; it holds \['hist', 'done', 'key'\]"):
+        part.tensor("pos")
+
+
+def test_tensor_of_a_disk_capsule_or_an_empty_buffer(tmp_path):
+    b = BufferSet([slot("x", (2,)), slot("none", (0, 4), torch.int64)], 3, deployment="t")
+    b["x"].copy_(torch.arange(6.0).view(3, 2))
+    cap = snapshot(b)
+    assert cap.tensor("none").shape == (3, 0, 4) and cap.tensor("none").dtype == torch.int64
+    cap.to("disk", path=tmp_path / "d.safetensors")
+    with pytest.raises(CapsuleError, match=r"on disk .*d\.safetensors.*capsule\.to\('host'\)"):
+        cap.tensor("x")
+    assert torch.equal(cap.to("host").tensor("x"), b["x"])

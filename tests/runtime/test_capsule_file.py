@@ -274,6 +274,9 @@ def test_every_mutant_is_refused_or_restores_exactly(fuzz_inputs, which, mutatio
         cap = Capsule.load(path)
     except CapsuleFileError:
         return
+    for e in cap.descriptor.entries:  # every buffer of a capsule that loads has a typed view
+        view = cap.tensor(e.name)
+        assert view.shape == ((cap.descriptor.num_rows, *e.shape) if e.kind == "slot" else e.shape)
     path.write_bytes(raw)
     original = Capsule.load(path)
     if not forged:
