@@ -321,13 +321,10 @@ class Engine:
 
     def check(self, capsule: Capsule) -> None:
         """Raise before anything is copied if ``capsule`` cannot be restored here: another
-        deployment or layout, or (for a capsule taken elsewhere) values the simulator, the
-        policy or the episode counters cannot run from."""
+        deployment or layout, or values the simulator, the policy or the episode counters cannot
+        run from (index-valued and flag buffers, NaN)."""
         runtime.capsule.check(self.bufs, capsule)
-        if capsule.origin == self.bufs.uid:  # taken from this very set: valid when taken
-            return
-        names = {e.name for e in capsule.descriptor.entries}
-        views = {name: capsule.tensor(name) for name in names}
+        views = {e.name: capsule.tensor(e.name) for e in capsule.descriptor.entries}
         try:
             self.sim.validate({k: v for k, v in views.items() if k.startswith("sim.")})
             self.policy.validate({k: v for k, v in views.items() if k.startswith("policy.")})
@@ -337,9 +334,11 @@ class Engine:
         except (ValueError, KeyError) as e:
             raise runtime.CapsuleError(f"the capsule holds a state this env cannot run from: {e}") from e
 
-    def restore(self, capsule: Capsule, slots: Sequence[int] | None = None) -> None:
-        """Restore ``capsule`` (all-or-nothing: :meth:`check` first); observations written."""
-        self.check(capsule)
+    def restore(self, capsule: Capsule, slots: Sequence[int] | None = None, *, check: bool = True) -> None:
+        """Restore ``capsule`` (all-or-nothing: :meth:`check` first, unless the caller made the
+        capsule itself and skips it); observations written."""
+        if check:
+            self.check(capsule)
         runtime.restore(self.bufs, capsule, slots)
         self._write(self.obs)
 

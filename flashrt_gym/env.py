@@ -167,7 +167,7 @@ class FlashRTVectorEnv(VectorEnv):
         seeds = None if seed is None else torch.arange(self.num_envs, device=self.device) + seed
         cached = self.starts.get(seed) if seed is not None and mask is None else None
         if cached is not None:
-            self.engine.restore(cached)
+            self.engine.restore(cached, check=False)  # made by this env's own start
         else:
             self.engine.start(seeds, mask)
             if seed is not None and mask is None:
@@ -282,7 +282,7 @@ class FlashRTVectorEnv(VectorEnv):
             raise TypeError(f"{what}: slots must be {want}, got {items!r:.80}")
         out = [int(s) for s in items]
         if not out:
-            raise ValueError(f"{what}: empty slot list; name at least one slot in [0, {self.num_envs})")
+            raise ValueError(f"{what}: empty list of slots; name at least one slot in [0, {self.num_envs})")
         if any(not 0 <= s < self.num_envs for s in out) or len(set(out)) != len(out):
             raise ValueError(f"{what}: slots must be {want}, got {out}")
         return out

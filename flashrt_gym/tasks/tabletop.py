@@ -284,7 +284,8 @@ class Tabletop:
         for name in ("sim.ee", "sim.obj", "sim.obj_vel"):
             if not torch.isfinite(state[name]).all():
                 raise ValueError(f"{name} holds NaN or infinity")
-        if state["sim.success"].view(torch.uint8).max(initial=0) > 1:
+        success = state["sim.success"]
+        if success.numel() and int(success.view(torch.uint8).max()) > 1:
             raise ValueError("sim.success holds bytes other than 0 and 1")
 
     # -- dynamics ------------------------------------------------------------------------------

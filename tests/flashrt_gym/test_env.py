@@ -6,7 +6,7 @@ from gymnasium.utils.env_checker import check_env
 from gymnasium.vector import AutoresetMode
 
 import flashrt_gym  # noqa: F401  (registers FlashRT-VLA)
-from flashrt.runtime import DeploymentMismatchError
+from flashrt.runtime import Capsule, CapsuleError, DeploymentMismatchError
 from flashrt_gym import FlashRTEnv, FlashRTVectorEnv
 
 
@@ -228,6 +228,29 @@ def test_bad_actions_are_refused_and_the_state_is_untouched(bad, error, match):
     assert torch.equal(before, env.engine.bufs.slot_arena)
 
 
+@pytest.mark.parametrize(
+    ("name", "value", "match"),
+    [
+        ("sim.instruction", 10**6, "sim.instruction holds indices outside"),
+        ("policy.text_ids", -3, "policy.text_ids holds token ids outside"),
+        ("policy.frame", -1, "negative frame"),
+        ("sim.ee", float("nan"), "sim.ee holds NaN"),
+        ("env.episode.steps", -5, "env.episode.steps holds negative"),
+    ],
+)
+def test_a_capsule_holding_values_the_env_cannot_run_from_is_refused_before_any_copy(tmp_path, name, value, match):
+    env = make(2)
+    env.reset(seed=0)
+    cap = env.snapshot()
+    cap.tensor(name)[0].view(-1)[0] = value  # a well-formed capsule (its file checksum would match)
+    path = cap.to("disk", path=tmp_path / "c.safetensors").path
+    before = env.engine.bufs.slot_arena.clone()
+    with pytest.raises(CapsuleError, match=match):
+        env.restore(Capsule.load(path))
+    assert torch.equal(before, env.engine.bufs.slot_arena)
+    env.step(np.zeros((2, 16), np.float32))  # the env runs on
+
+
 def test_a_capsule_from_another_configuration_is_refused():
     env, other = make(2), make(2, n_action_steps=2)
     env.reset(seed=0)
@@ -253,12 +276,16 @@ def test_a_capsule_from_another_configuration_is_refused():
         ({"start_cache_bytes": -1}, ValueError, "start_cache_bytes must be an int >= 0"),
         ({"task": {"objects": ("pink square",)}}, ValueError, "colour in"),
         ({"task": "tabletop"}, TypeError, "task must be a TabletopConfig"),
-        ({"device": "tpu"}, ValueError, "device must be"),
     ],
 )
 def test_bad_arguments_name_the_argument(kw, error, match):
     with pytest.raises(error, match=match):
         make(2, **kw)
+
+
+def test_a_device_this_machine_lacks_is_named():
+    with pytest.raises(ValueError, match="device must be"):
+        FlashRTVectorEnv(2, device="tpu")
 
 
 @pytest.mark.parametrize("n", [2.5, True, 0, "4"])
