@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors.torch import save as save_bytes
 
 from flashrt.runtime import BufferSet, atomic_write
 from flashrt_gym.tasks import Tabletop, TabletopConfig
@@ -85,7 +85,8 @@ def save_shard(shard: dict[str, torch.Tensor], path: str | os.PathLike, task: Ta
         "task": json.dumps({k: v for k, v in asdict(task).items() if k != "heldout"}),
         "instructions": json.dumps(Tabletop(task).instructions),
     }
-    return atomic_write(path, lambda tmp: save_file({k: v.contiguous() for k, v in shard.items()}, tmp, metadata=meta))
+    tensors = {k: v.contiguous() for k, v in shard.items()}
+    return atomic_write(path, lambda f: f.write(save_bytes(tensors, metadata=meta)))
 
 
 def load_shards(folder: str | os.PathLike) -> tuple[dict[str, torch.Tensor], TabletopConfig]:

@@ -222,8 +222,10 @@ class Engine:
         torch.le(torch.linalg.vector_norm(self.inputs.action, float("inf")), 1.0 + 1e-6, out=ok[0])
         return ok
 
-    def _step(self) -> None:
-        """One action chunk for every slot (the captured program)."""
+    def program(self) -> None:
+        """One action chunk for every slot, on the actions in ``env.in.action``: the step
+        program :meth:`launch` captures and replays (call it directly to run it eagerly, e.g. to
+        count or profile its kernels)."""
         cfg, sim, p, out = self.cfg, self.sim, self.policy.state, self.outputs
         n, horizon, dim = p.noise.shape
         a = self.inputs.action.view(n, -1, dim).expand(n, horizon, dim)
@@ -283,7 +285,7 @@ class Engine:
         where every action is in bounds: :meth:`held` says whether it did."""
         self.inputs.action.copy_(actions)
         if self._key not in self.graph:
-            self.graph.capture(self._key, self._step, guard=self._guard)
+            self.graph.capture(self._key, self.program, guard=self._guard)
         self.graph.replay(self._key)
 
     def replay(self) -> None:
