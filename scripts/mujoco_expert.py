@@ -36,13 +36,13 @@ def mujoco_episodes(cfg: TabletopConfig, seeds: np.ndarray, max_ticks: int, batc
         sim = MujocoPush(len(part), PushConfig(cfg))
         sim.seed(part)
         sim.reset()
-        out["instruction"].append(sim.instruction)
+        out["instruction"].append(sim.instruction())
         for _ in range(max_ticks):
             sim.run_ticks(sim.expert()[:, None])
-            if sim.success.all():
+            if sim.success().all():
                 break
-        out["success"].append(sim.success.copy())
-        out["ticks"].append(sim.tick)
+        out["success"].append(sim.success())
+        out["ticks"].append(sim.ticks())
     return {k: np.concatenate(v) for k, v in out.items()}
 
 
@@ -50,12 +50,13 @@ def tabletop_episodes(cfg: TabletopConfig, seeds: np.ndarray, max_ticks: int) ->
     """The same for the built-in tabletop and its expert."""
     task = Tabletop(cfg)
     b = BufferSet(task.specs(), len(seeds))
-    task.seed(b, torch.from_numpy(seeds))
-    task.reset(b)
+    task.bind(b)
+    task.seed(torch.from_numpy(seeds))
+    task.reset()
     instruction = b["sim.instruction"].numpy().copy()
     with torch.no_grad():
         for _ in range(max_ticks):
-            task.step(b, task.expert(b))
+            task.step(task.expert())
     return {"instruction": instruction, "success": b["sim.success"].numpy().copy(), "ticks": b["sim.tick"].numpy()}
 
 
@@ -117,7 +118,7 @@ def main() -> None:
             f"{result['splits'][split]['tabletop_2d']['median_ticks']} ticks"
         )
     if args.out:
-        atomic_write(args.out, lambda tmp: Path(tmp).write_text(json.dumps(result, indent=1) + "\n"))
+        atomic_write(args.out, lambda f: f.write((json.dumps(result, indent=1) + "\n").encode()))
         print(f"wrote {args.out}")
 
 

@@ -1,7 +1,7 @@
 """The push task on MuJoCo's C library: ``num_slots`` ``MjData`` on one ``MjModel``, on the CPU.
 
-An external simulator: its state lives on the host, and :meth:`MujocoPush.get_state` /
-:meth:`MujocoPush.set_state` move whole slots of it as bytes. A slot's state is one row of
+An :class:`~flashrt_gym.external.ExternalSimulator`: the env wraps it in a device mirror of its
+state and steps it on the host between the policy's graphs. A slot's state is one row of
 ``state_nbytes`` bytes: MuJoCo's integration state (``mj_getState`` with
 ``mjSTATE_INTEGRATION``: time, qpos, qvel, act, the solver's warm start, ctrl, applied forces,
 ... float64), then the task's int64 fields (instruction, tick, success, RNG key, RNG counter).
@@ -19,12 +19,12 @@ import mujoco
 import numpy as np
 import torch
 
-from flashrt_gym.sims.push import PushConfig, PushTask, load_scene, yaw_of
+from flashrt_gym.sims.push import PushConfig, PushTask, load_scene, model_digest, yaw_of
 from flashrt_gym.sims.render import TopDownRenderer
 from flashrt_gym.tasks.tabletop import BACKGROUND, COLORS, EE_COLOR, GOAL_COLOR, GOALS
 
 STATE_SIG = int(mujoco.mjtState.mjSTATE_INTEGRATION)
-"""The ``mj_getState`` signature a slot's state holds."""
+"""The ``mj_getState`` signature a slot's state row holds."""
 
 TASK_FIELDS = ("instruction", "tick", "success", "key", "counter")
 """The task's int64 fields after the physics in a state row, in order."""
@@ -35,80 +35,90 @@ def _host(x: Any) -> np.ndarray:
     return np.asarray(x.cpu() if isinstance(x, torch.Tensor) else x)
 
 
+def renderer_for(cfg: PushConfig, task: PushTask) -> TopDownRenderer:
+    """The top-down renderer of the scene's geoms in the tabletop's colours."""
+    table = cfg.table
+    return TopDownRenderer(
+        task.layout.footprints,
+        [COLORS[o.split()[0]] for o in table.objects],
+        [GOALS[g] for g in table.goals],
+        table.goal_radius,
+        table.ee_radius,
+        table.image_size,
+        BACKGROUND,
+        GOAL_COLOR,
+        EE_COLOR,
+    )
+
+
 class MujocoPush:
-    """The batched push simulator on the CPU.
+    """The batched push simulator on the CPU, an external simulator.
 
     Args:
         num_slots: parallel episodes.
         cfg: the task's parameters (default: the shipped scene and the tabletop's defaults).
     """
 
+    num_cameras = 1
     action_dim = 2
     proprio_dim = 2
+    observation_bound = 1.0
+    physics_signature = STATE_SIG
+    """What a state row holds of MuJoCo's state (an ``mjtState`` signature)."""
 
     def __init__(self, num_slots: int, cfg: PushConfig | None = None) -> None:
-        if int(num_slots) < 1:
-            raise ValueError(f"num_slots must be >= 1, got {num_slots}")
+        if isinstance(num_slots, bool) or int(num_slots) < 1:
+            raise ValueError(f"num_slots must be an int >= 1, got {num_slots!r}")
         self.cfg = cfg = cfg or PushConfig()
         self.num_slots = int(num_slots)
         self.model, self.layout = load_scene(cfg)
         self.task = PushTask(cfg, self.layout)
         self.instructions = self.task.instructions
         self.image_size = cfg.table.image_size
+        self.observation_dim = self.task.observation_dim
         self.data = [mujoco.MjData(self.model) for _ in range(self.num_slots)]
-        self.physics_size = mujoco.mj_stateSize(self.model, STATE_SIG)
+        self.physics_size = mujoco.mj_stateSize(self.model, self.physics_signature)
         self.state_nbytes = 8 * (self.physics_size + len(TASK_FIELDS))
+        self._digest = model_digest(self.model)
         self._vars = np.zeros((self.num_slots, len(TASK_FIELDS)), dtype=np.int64)
         lay = self.layout
         self._ee = np.array(lay.ee_qpos)
         self._obj = np.array(lay.obj_qpos)[:, None] + np.arange(7)  # (K, 7): x y z qw qx qy qz
         self._act = np.array(lay.ee_actuators)
         self._speed = cfg.table.max_speed / lay.tick_seconds  # ctrl at |action| = 1
-        table = cfg.table
-        self.renderer = TopDownRenderer(
-            lay.footprints,
-            [COLORS[o.split()[0]] for o in table.objects],
-            [GOALS[g] for g in table.goals],
-            table.goal_radius,
-            table.ee_radius,
-            table.image_size,
-            BACKGROUND,
-            GOAL_COLOR,
-            EE_COLOR,
-        )
+        self.renderer = renderer_for(cfg, self.task)
         for d in self.data:
             mujoco.mj_forward(self.model, d)
+
+    def identity(self) -> str:
+        """The compiled model, the task's parameters and what a state row holds."""
+        return (
+            f"mujoco-push|model={self._digest}|{sorted(self.cfg.table.to_dict().items())}|"
+            f"frame_skip={self.cfg.frame_skip}|signature={self.physics_signature}"
+        )
 
     # -- task fields ---------------------------------------------------------------------------
     def _field(self, name: str) -> np.ndarray:
         return self._vars[:, TASK_FIELDS.index(name)]
 
-    @property
     def instruction(self) -> np.ndarray:
         """(slots,) int64 index into :attr:`instructions` of each slot's instruction (a copy)."""
         return self._field("instruction").copy()
 
-    @property
     def success(self) -> np.ndarray:
         """(slots,) bool: the slot's episode has succeeded (it is frozen until reset)."""
         return self._field("success") != 0
 
-    @property
-    def tick(self) -> np.ndarray:
+    def ticks(self) -> np.ndarray:
         """(slots,) int64 ticks run in the current episode (a copy)."""
         return self._field("tick").copy()
 
-    @property
-    def state_dim(self) -> int:
-        """Length of :meth:`observation`."""
-        return self.task.state_dim
-
-    def _mask(self, mask: Any, what: str) -> np.ndarray:
+    def _mask(self, mask: Any) -> np.ndarray:
         if mask is None:
             return np.ones(self.num_slots, dtype=bool)
         m = _host(mask)
         if m.dtype != np.bool_ or m.shape != (self.num_slots,):
-            raise ValueError(f"{what} must be a bool array of shape ({self.num_slots},), got {m.dtype} {m.shape}")
+            raise ValueError(f"mask must be a bool array of shape ({self.num_slots},), got {m.dtype} {m.shape}")
         return m
 
     def _slots(self, slots: Any) -> np.ndarray:
@@ -125,21 +135,22 @@ class MujocoPush:
         return s
 
     # -- episodes ------------------------------------------------------------------------------
-    def seed(self, seeds: Any, mask: Any = None) -> None:
-        """Set each slot's RNG key to its int64 seed and zero its counter, where ``mask``."""
-        s = _host(seeds)
-        if s.shape != (self.num_slots,) or s.dtype.kind not in "iu":
-            raise ValueError(f"seeds must be ({self.num_slots},) integers, one per slot, got {s.dtype} {s.shape}")
-        m = self._mask(mask, "mask")
-        self._field("key")[m] = s.astype(np.int64)[m]
-        self._field("counter")[m] = 0
+    def seed(self, seeds: Any, slots: Any = None) -> None:
+        """Restart the RNG stream of each slot (all, or ``slots``) from its int64 seed: the next
+        :meth:`reset` of the slot draws the stream's first episode."""
+        s = self._slots(slots)
+        k = _host(seeds)
+        if k.shape != (s.size,) or (k.size and k.dtype.kind not in "iu"):
+            raise ValueError(f"seeds must be {s.size} integers, one per slot, got {k.dtype} {k.shape}")
+        self._vars[s, TASK_FIELDS.index("key")] = k.astype(np.int64)
+        self._vars[s, TASK_FIELDS.index("counter")] = 0
 
     def reset(self, mask: Any = None, instruction: Any = None) -> None:
-        """Draw a new episode from each slot's RNG where ``mask`` (all slots if None): the
-        tabletop's draws (so the same seed starts the same instruction and positions), a cold
-        MuJoCo state (zero velocities and warm start), objects upright. ``instruction``
-        (slots,) int64 forces instruction indices where >= 0."""
-        m = self._mask(mask, "mask")
+        """Draw the next episode of each slot's stream where ``mask`` (all slots if None): the
+        tabletop's draws (the same key and counter start the same instruction and positions),
+        a cold MuJoCo state (zero velocities and warm start), objects upright. ``instruction``
+        (slots,) int64 forces instruction indices where >= 0 (the expert's evaluations)."""
+        m = self._mask(mask)
         forced = None
         if instruction is not None:
             forced = torch.as_tensor(_host(instruction))
@@ -162,6 +173,12 @@ class MujocoPush:
         self._field("success")[m] = 0
         self._field("counter")[m] += 1
 
+    def set_instruction(self, index: int, slots: Any = None) -> None:
+        """Give ``slots`` (all if None) the instruction ``index`` from the next tick on."""
+        if isinstance(index, bool) or not 0 <= int(index) < len(self.instructions):
+            raise ValueError(f"instruction index must be an int in [0, {len(self.instructions)}), got {index!r}")
+        self._vars[self._slots(slots), TASK_FIELDS.index("instruction")] = int(index)
+
     # -- physics -------------------------------------------------------------------------------
     def _qpos(self) -> np.ndarray:
         return np.stack([d.qpos for d in self.data])
@@ -173,18 +190,17 @@ class MujocoPush:
         obj = q[:, self._obj]  # (N, K, 7)
         return q[:, self._ee], obj[..., :2], yaw_of(obj[..., 3:7])
 
-    def run_ticks(self, actions: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def run_ticks(self, actions: Any) -> tuple[np.ndarray, np.ndarray]:
         """Advance every slot ``T`` ticks under ``actions`` (slots, T, 2) in [-1, 1] (clipped);
         each tick is ``frame_skip`` physics steps at the commanded end-effector velocity.
-        Slots that have succeeded are frozen (not stepped).
+        Slots that have succeeded are frozen (not stepped) and earn nothing.
 
         Returns:
-            (dense, sparse) rewards summed over the ticks, each (slots,) float32, and
-            (slots,) bool success after them.
+            (dense, sparse) rewards summed over the ticks, each (slots,) float32.
         """
         a = _host(actions).astype(np.float64)
-        if a.ndim != 3 or a.shape[0] != self.num_slots or a.shape[2] != 2:
-            raise ValueError(f"actions must have shape ({self.num_slots}, T, 2), got {a.shape}")
+        if a.ndim != 3 or a.shape[0] != self.num_slots or a.shape[2] != self.action_dim:
+            raise ValueError(f"actions must have shape ({self.num_slots}, T, {self.action_dim}), got {a.shape}")
         if not np.isfinite(a).all():
             raise ValueError("actions contain NaN or infinity")
         a = np.clip(a, -1.0, 1.0) * self._speed
@@ -193,13 +209,12 @@ class MujocoPush:
         instr = torch.from_numpy(self._field("instruction").copy())
         ee, obj, _ = self.poses()
         before = self.task.distances(ee, obj, instr)
-        skip = self.cfg.frame_skip
         for t in range(a.shape[1]):
-            alive = ~self.success
+            alive = ~self.success()
             for i in np.flatnonzero(alive):
                 d = self.data[i]
                 d.ctrl[self._act] = a[i, t]
-                mujoco.mj_step(self.model, d, nstep=skip)
+                mujoco.mj_step(self.model, d, nstep=self.cfg.frame_skip)
             ee, obj, _ = self.poses()
             after = self.task.distances(ee, obj, instr)
             dn, sp, success = self.task.rewards(before, after, torch.from_numpy(alive))
@@ -208,11 +223,11 @@ class MujocoPush:
             self._field("success")[:] = success.numpy()
             self._field("tick")[alive] += 1
             before = after
-        return dense.float().numpy(), sparse.float().numpy(), self.success
+        return dense.float().numpy(), sparse.float().numpy()
 
     # -- observations --------------------------------------------------------------------------
     def observation(self) -> np.ndarray:
-        """(slots, state_dim) float32 low-dimensional observation (the tabletop's ``state``)."""
+        """(slots, observation_dim) float32 low-dimensional observation (the tabletop's ``state``)."""
         ee, obj, _ = self.poses()
         return self.task.observation(ee, obj, torch.from_numpy(self._field("instruction").copy())).numpy()
 
@@ -221,9 +236,9 @@ class MujocoPush:
         return self._qpos()[:, self._ee].astype(np.float32)
 
     def render(self) -> np.ndarray:
-        """(slots, H, W, 3) uint8 top-down images (:class:`~flashrt_gym.sims.render.TopDownRenderer`)."""
-        ee, obj, yaw = self.poses()
-        return self.renderer(ee, obj, yaw).numpy()
+        """(slots, 1, H, W, 3) uint8 top-down images of the one camera
+        (:class:`~flashrt_gym.sims.render.TopDownRenderer`)."""
+        return self.renderer(*self.poses()).numpy()[:, None]
 
     def expert(self) -> np.ndarray:
         """(slots, 2) float32 actions of the scripted pusher (:meth:`PushTask.expert`)."""
@@ -237,13 +252,13 @@ class MujocoPush:
         s = self._slots(slots)
         out = np.empty((s.size, self.physics_size + len(TASK_FIELDS)), dtype=np.float64)
         for row, i in enumerate(s):
-            mujoco.mj_getState(self.model, self.data[i], out[row, : self.physics_size], STATE_SIG)
+            mujoco.mj_getState(self.model, self.data[i], out[row, : self.physics_size], self.physics_signature)
         out[:, self.physics_size :] = self._vars[s].view(np.float64)
         return out.view(np.uint8)
 
     def set_state(self, slots: Any, states: Any) -> None:
-        """Write rows from :meth:`get_state` (of this scene) into ``slots``; all-or-nothing: every
-        row is checked before any slot changes."""
+        """Write rows of :meth:`get_state` (of this scene) into ``slots`` (all if None).
+        All-or-nothing: every row is checked before any slot changes."""
         s = self._slots(slots)
         rows = _host(states)
         if rows.dtype != np.uint8 or rows.shape != (s.size, self.state_nbytes):
@@ -257,15 +272,15 @@ class MujocoPush:
         bad = []
         if not np.isfinite(physics).all():
             bad.append("non-finite physics values")
-        instr, tick, success = (fields[:, TASK_FIELDS.index(n)] for n in ("instruction", "tick", "success"))
+        instr, tick, success, counter = (fields[:, TASK_FIELDS.index(n)] for n in (*TASK_FIELDS[:3], "counter"))
         if ((instr < 0) | (instr >= len(self.instructions))).any():
             bad.append(f"instruction indices outside [0, {len(self.instructions)})")
-        if (tick < 0).any() or ((success != 0) & (success != 1)).any():
-            bad.append("negative ticks or success flags other than 0/1")
+        if (tick < 0).any() or (counter < 0).any() or ((success != 0) & (success != 1)).any():
+            bad.append("negative ticks or counters, or success flags other than 0/1")
         if bad:
             raise ValueError(
                 f"states are not rows of this simulator's get_state: {', '.join(bad)}; nothing was written"
             )
         for row, i in enumerate(s):
-            mujoco.mj_setState(self.model, self.data[i], physics[row], STATE_SIG)
+            mujoco.mj_setState(self.model, self.data[i], physics[row], self.physics_signature)
         self._vars[s] = fields

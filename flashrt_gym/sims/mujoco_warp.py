@@ -230,7 +230,7 @@ class WarpPush:
 
     @property
     def state_dim(self) -> int:
-        return self.task.state_dim
+        return self.task.observation_dim
 
     def _check(self, b: BufferSet) -> None:
         if b.num_slots != self.num_slots or b.device != self.device:
@@ -317,7 +317,7 @@ class WarpPush:
         self._state.copy_(b["sim.physics"])
         target, goal = self.task.target_and_goal(b["sim.instruction"])
         self._target_adr.copy_(self._obj[target])
-        self._goal.copy_(self.task._c(self.device)["goals"][goal])
+        self._goal.copy_(self.task.constants(self.device)["goals"][goal])
         torch.logical_not(b["sim.success"], out=self._alive)
         self._tick.copy_(b["sim.tick"])
         self._dense.zero_()

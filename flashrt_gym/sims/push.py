@@ -16,6 +16,7 @@ the same code around their physics.
 
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -232,6 +233,14 @@ def load_scene(cfg: PushConfig) -> tuple[mujoco.MjModel, SceneLayout]:
     return model, layout
 
 
+def model_digest(model: mujoco.MjModel) -> str:
+    """SHA-256 of the compiled model's bytes (``mj_saveModel``): two simulators step alike only
+    if their models agree, whatever files the scene was compiled from."""
+    raw = np.zeros(mujoco.mj_sizeModel(model), dtype=np.uint8)
+    mujoco.mj_saveModel(model, None, raw)
+    return hashlib.sha256(raw.tobytes()).hexdigest()
+
+
 def yaw_of(quat: torch.Tensor) -> torch.Tensor:
     """Heading about z of (..., 4) quaternions (w, x, y, z)."""
     w, x, y, z = quat.unbind(-1)
@@ -256,11 +265,13 @@ class PushTask:
         self._consts: dict[tuple[torch.device, torch.dtype], dict[str, torch.Tensor]] = {}
 
     @property
-    def state_dim(self) -> int:
+    def observation_dim(self) -> int:
         """Length of :meth:`observation`: ee (2), objects (2K), target one-hot (K), goal one-hot (G)."""
         return 2 + 3 * self.num_objects + len(self.cfg.table.goals)
 
-    def _c(self, device: torch.device, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    def constants(self, device: torch.device, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+        """The task's lookup tables on ``device`` (made at the first call: an in-graph simulator
+        makes them when it binds, so that no capture copies them in)."""
         if (device, dtype) not in self._consts:
             table, k = self.cfg.table, self.num_objects
             objs, goals = [o for o, _ in self.combos], [g for _, g in self.combos]
@@ -283,7 +294,7 @@ class PushTask:
         counter."""
         table, k = self.cfg.table, self.num_objects
         u = uniform(key, counter, 3 + 2 * k)
-        split = self._c(key.device)["split"]
+        split = self.constants(key.device)["split"]
         drawn = split[(u[:, 0] * len(self.split)).long().clamp_(max=len(self.split) - 1)]
         if instruction is not None:
             drawn = torch.where(instruction >= 0, instruction, drawn)
@@ -310,7 +321,7 @@ class PushTask:
     # -- rewards and observations --------------------------------------------------------------
     def target_and_goal(self, instruction: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(slots,) target object and (slots,) goal index of each instruction index."""
-        combo = self._c(instruction.device)["combos"][instruction]
+        combo = self.constants(instruction.device)["combos"][instruction]
         return combo[:, 0], combo[:, 1]
 
     def distances(
@@ -321,7 +332,7 @@ class PushTask:
         table = self.cfg.table
         target, goal = self.target_and_goal(instruction)
         p = obj[torch.arange(obj.shape[0], device=obj.device), target]
-        g = self._c(obj.device, obj.dtype)["goals"][goal]
+        g = self.constants(obj.device, obj.dtype)["goals"][goal]
         ring = (ee - p).norm(dim=-1) - (table.ee_radius + table.obj_radius)
         return (p - g).norm(dim=-1), ring.clamp_min(0.0)
 
@@ -341,10 +352,12 @@ class PushTask:
         return dense, sparse, success | ~alive
 
     def observation(self, ee: torch.Tensor, obj: torch.Tensor, instruction: torch.Tensor) -> torch.Tensor:
-        """(slots, state_dim) float32: end-effector, object positions, the instruction's target
-        and goal one-hots (the tabletop's ``state``)."""
-        onehots = self._c(ee.device)["onehots"][instruction]
-        return torch.cat([ee.float(), obj.reshape(obj.shape[0], -1).float(), onehots], dim=1)
+        """(slots, observation_dim) float32: end-effector and object positions (clamped to the
+        table, ``[-1, 1]``, where the walls keep them anyway), the instruction's target and goal
+        one-hots (the tabletop's ``state``); every number lies in ``[-1, 1]``."""
+        onehots = self.constants(ee.device)["onehots"][instruction]
+        pos = torch.cat([ee, obj.reshape(obj.shape[0], -1)], dim=1).float().clamp(-1.0, 1.0)
+        return torch.cat([pos, onehots], dim=1)
 
     # -- scripted expert -----------------------------------------------------------------------
     def expert(self, ee: torch.Tensor, obj: torch.Tensor, yaw: torch.Tensor, instruction: torch.Tensor) -> torch.Tensor:
@@ -362,7 +375,7 @@ class PushTask:
         target, goal = self.target_and_goal(instruction)
         rows = torch.arange(ee.shape[0], device=ee.device)
         p, heading = obj[rows, target], yaw[rows, target]
-        g = self._c(ee.device, ee.dtype)["goals"][goal]
+        g = self.constants(ee.device, ee.dtype)["goals"][goal]
         to_goal = g - p
         u = to_goal / to_goal.norm(dim=-1, keepdim=True).clamp_min(1e-9)
         perp = torch.stack([-u[:, 1], u[:, 0]], dim=-1)
