@@ -53,48 +53,54 @@ class TopDownRenderer:
         }
         self._consts: dict[torch.device, dict[str, torch.Tensor]] = {}
 
-    def _c(self, device: torch.device) -> dict[str, torch.Tensor]:
+    def constants(self, device: torch.device) -> dict[str, torch.Tensor]:
+        """The renderer's constant tensors on ``device`` (made at the first call: an in-graph
+        simulator makes them when it binds, so that no capture copies them in)."""
         if device not in self._consts:
             n = self.image_size
             lin = (torch.arange(n, dtype=torch.float32) + 0.5) / n * 2 - 1
             ys, xs = torch.meshgrid(-lin, lin, indexing="ij")
-            c = {k: v.to(device) for k, v in self._host.items()}
-            c["pix"] = torch.stack([xs, ys], -1).to(device)  # (H, W, 2)
-            # the goal discs do not move: one (H, W) mask
-            c["goal_mask"] = ((c["pix"][None] - c["goals"][:, None, None]).norm(dim=-1) < self.goal_radius).any(0)
-            for k, fp in enumerate(self.footprints):
-                if fp.kind == "polygon":
-                    v = torch.tensor(fp.vertices, dtype=torch.float32, device=device)
-                    edge = torch.roll(v, -1, dims=0) - v
-                    c[f"poly{k}"] = torch.stack([v, edge], 0)  # (2, V, 2)
-            self._consts[device] = c
+            h = self._host
+            goals = h["goals"]
+            goal_mask = ((xs - goals[:, 0, None, None]) ** 2 + (ys - goals[:, 1, None, None]) ** 2).sqrt()
+            goal_mask = (goal_mask < self.goal_radius).any(0)  # the goal discs do not move: one (H, W) mask
+            palette = torch.cat([h["background"][None], h["goal_color"][None], h["colors"], h["ee_color"][None]])
+            self._consts[device] = {
+                "px": xs.to(device),  # (H, W) table coordinates of the pixel centres
+                "py": ys.to(device),
+                "base": goal_mask.long().to(device),  # label 0 table, 1 goal
+                "palette": palette.to(torch.uint8).to(device),  # by label: table, goal, objects, end-effector
+            }
         return self._consts[device]
 
     def __call__(
         self, ee: torch.Tensor, obj: torch.Tensor, yaw: torch.Tensor, out: torch.Tensor | None = None
     ) -> torch.Tensor:
         """The images of end-effectors (slots, 2), object positions (slots, K, 2) and headings
-        (slots, K), written into ``out`` ((slots, H, W, 3) uint8) when given."""
-        c = self._c(ee.device)
+        (slots, K), written into ``out`` ((slots, H, W, 3) uint8) when given. Each pixel gets a
+        label (table, goal, object k, end-effector; later ones drawn over earlier ones), then
+        its colour from the palette."""
+        c = self.constants(ee.device)
         n, size = ee.shape[0], self.image_size
         if out is not None and (tuple(out.shape) != (n, size, size, 3) or out.dtype != torch.uint8):
             raise ValueError(f"render: out must be ({n}, {size}, {size}, 3) uint8, got {tuple(out.shape)} {out.dtype}")
         ee, obj, yaw = ee.float(), obj.float(), yaw.float()
-        pix = c["pix"]
-        img = torch.where(c["goal_mask"][None, :, :, None], c["goal_color"], c["background"]).expand(n, size, size, 3)
+        px, py = c["px"], c["py"]
+        label = c["base"].expand(n, size, size)
         cos, sin = torch.cos(yaw)[:, :, None, None], torch.sin(yaw)[:, :, None, None]
         for k, fp in enumerate(self.footprints):
-            d = pix[None] - obj[:, k][:, None, None]  # (N, H, W, 2) in the table frame
+            dx, dy = px - obj[:, k, 0, None, None], py - obj[:, k, 1, None, None]  # (N, H, W), table frame
             if fp.kind == "circle":
-                inside = (d * d).sum(-1) < fp.radius * fp.radius
+                inside = dx * dx + dy * dy < fp.radius * fp.radius
             else:  # into the body frame, then inside every edge of the counter-clockwise outline
-                bx = d[..., 0] * cos[:, k] + d[..., 1] * sin[:, k]
-                by = -d[..., 0] * sin[:, k] + d[..., 1] * cos[:, k]
-                v, e = c[f"poly{k}"]
-                cross = e[:, 0] * (by[..., None] - v[:, 1]) - e[:, 1] * (bx[..., None] - v[:, 0])
-                inside = (cross > 0).all(-1)
-            img = torch.where(inside[..., None], c["colors"][k], img)
-        d = pix[None] - ee[:, None, None]
-        img = torch.where(((d * d).sum(-1) < self.ee_radius * self.ee_radius)[..., None], c["ee_color"], img)
-        img = img.to(torch.uint8)
+                bx = dx * cos[:, k] + dy * sin[:, k]
+                by = -dx * sin[:, k] + dy * cos[:, k]
+                inside = None
+                for (vx, vy), (wx, wy) in zip(fp.vertices, fp.vertices[1:] + fp.vertices[:1], strict=True):
+                    side = (wx - vx) * (by - vy) - (wy - vy) * (bx - vx) > 0
+                    inside = side if inside is None else inside & side
+            label = torch.where(inside, 2 + k, label)
+        dx, dy = px - ee[:, 0, None, None], py - ee[:, 1, None, None]
+        label = torch.where(dx * dx + dy * dy < self.ee_radius * self.ee_radius, 2 + len(self.footprints), label)
+        img = c["palette"][label]
         return img if out is None else out.copy_(img)
