@@ -1,4 +1,4 @@
-"""Simulators on a MuJoCo scene of the tabletop push task.
+"""Simulators on a MuJoCo scene of the tabletop push task, and the wrapper's registration.
 
 - :mod:`flashrt_gym.sims.push`: the task's configuration, the scene's checked layout and the task
   logic (draws, rewards, success, observation, scripted expert) every backend shares.
@@ -6,12 +6,17 @@
   external simulator (``get_state`` / ``set_state`` of whole slots as bytes).
 - :mod:`flashrt_gym.sims.mujoco_warp`: MuJoCo Warp on a CUDA GPU.
 - :mod:`flashrt_gym.sims.render`: a batched top-down renderer of the scene's primitive geoms.
+- :mod:`flashrt_gym.sims.registration`: :func:`register_simulator`, any simulator under a
+  Gymnasium id.
 
+Importing this package registers ``FlashRT-MuJoCoPush`` (the CPU simulator) with Gymnasium;
 ``mujoco``, ``warp`` and ``mujoco_warp`` are imported only when a simulator is made.
 """
 
 import importlib
 from typing import Any
+
+from flashrt_gym.sims.registration import make_env, make_vector_env, register_simulator
 
 _LAZY = {
     "MujocoPush": "flashrt_gym.sims.mujoco_cpu",
@@ -28,4 +33,6 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = list(_LAZY)
+register_simulator("FlashRT-MuJoCoPush", "flashrt_gym.sims.mujoco_cpu:MujocoPush")
+
+__all__ = ["make_env", "make_vector_env", "register_simulator", *_LAZY]

@@ -1,13 +1,14 @@
 """The MuJoCo push simulator (MuJoCo's C library on the CPU) through the env as an external
 simulator: capsules hold its whole state (exact restore and continue, fork, reseed, refused
-restores), an incomplete state row diverges, instructions reach it, runs are deterministic, and
-the shipped tiny policy runs on it.
+restores), an incomplete state row diverges, instructions reach it, runs are deterministic, the
+shipped tiny policy runs on it, and it is registered with Gymnasium.
 
 Most tests steer a micro policy of random weights (the tiny preset's interface, far fewer
 numbers) to keep the CPU suite fast; what they check does not depend on the policy's size."""
 
 from dataclasses import replace
 
+import gymnasium as gym
 import mujoco
 import numpy as np
 import pytest
@@ -17,7 +18,7 @@ from flashrt.policies import FlowPolicy, save
 from flashrt.policies.config import tiny
 from flashrt_gym import FlashRTVectorEnv
 from flashrt_gym.external import ExternalSimulator, is_external
-from flashrt_gym.sims import MujocoPush
+from flashrt_gym.sims import MujocoPush, PushConfig, register_simulator
 from flashrt_gym.tasks import TabletopConfig
 
 
@@ -152,3 +153,34 @@ def test_runs_are_deterministic_through_autoresets(micro):
         runs.append(trajectory(e, a))
     assert any(x.size for x in runs[0][4::6])  # episodes ended and restarted inside the steps
     assert same(runs[0], runs[1]) and not same(runs[0], runs[2])
+
+
+def test_make_and_make_vec_build_the_registered_mujoco_task(micro):
+    single = gym.make("FlashRT-MuJoCoPush", weights=micro, device="cpu")
+    obs, _ = single.reset(seed=1)
+    assert single.observation_space.contains(obs)
+    obs, reward, _, _, info = single.step(single.action_space.sample())
+    assert single.observation_space.contains(obs) and isinstance(reward, float) and "is_success" in info
+    vec = gym.make_vec(
+        "FlashRT-MuJoCoPush", num_envs=2, vectorization_mode="vector_entry_point", weights=micro, device="cpu"
+    )
+    obs, _ = vec.reset(seed=1)
+    assert obs.shape == (2, 15) and isinstance(vec.unwrapped.engine.mirror.host, MujocoPush)
+    assert vec.unwrapped.engine.mirror.host.num_slots == 2
+
+
+def test_register_simulator_checks_its_arguments_and_passes_simulator_kwargs(micro):
+    with pytest.raises(ValueError, match="module:attribute"):
+        register_simulator("FlashRT-Test-Bad", "no_colon_here")
+    with pytest.raises(ValueError, match="not an env default"):
+        register_simulator("FlashRT-Test-Bad", MujocoPush, task={})
+    register_simulator("FlashRT-Test-Push", "flashrt_gym.sims.mujoco_cpu:MujocoPush", weights=micro, device="cpu")
+    table = TabletopConfig(split="heldout")
+    e = gym.make_vec(
+        "FlashRT-Test-Push", 4, vectorization_mode="vector_entry_point", simulator_kwargs={"cfg": PushConfig(table)}
+    )
+    _, info = e.reset(seed=0)
+    held = {table.combos("all").index(c) for c in table.heldout}
+    assert set(info["instruction"].tolist()) <= held  # the factory got the held-out split
+    with pytest.raises(ValueError, match="cannot load the simulator factory"):
+        gym.make("FlashRT-MuJoCoPush", simulator="flashrt_gym.sims:NoSuchSim")
