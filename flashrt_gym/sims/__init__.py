@@ -4,13 +4,15 @@
   logic (draws, rewards, success, observation, scripted expert) every backend shares.
 - :mod:`flashrt_gym.sims.mujoco_cpu`: :class:`MujocoPush`, MuJoCo's C library on the CPU, an
   external simulator (``get_state`` / ``set_state`` of whole slots as bytes).
-- :mod:`flashrt_gym.sims.mujoco_warp`: MuJoCo Warp on a CUDA GPU.
+- :mod:`flashrt_gym.sims.mujoco_warp`: :class:`WarpPush`, MuJoCo Warp on a GPU, an in-graph
+  simulator whose ticks are recorded into the env's step graph.
 - :mod:`flashrt_gym.sims.render`: a batched top-down renderer of the scene's primitive geoms.
 - :mod:`flashrt_gym.sims.registration`: :func:`register_simulator`, any simulator under a
   Gymnasium id.
 
-Importing this package registers ``FlashRT-MuJoCoPush`` (the CPU simulator) with Gymnasium;
-``mujoco``, ``warp`` and ``mujoco_warp`` are imported only when a simulator is made.
+Importing this package registers ``FlashRT-MuJoCoPush`` (the CPU simulator) and
+``FlashRT-MuJoCoWarpPush`` (MuJoCo Warp) with Gymnasium; ``mujoco``, ``warp`` and
+``mujoco_warp`` are imported only when a simulator is made.
 """
 
 import importlib
@@ -20,6 +22,7 @@ from flashrt_gym.sims.registration import make_env, make_vector_env, register_si
 
 _LAZY = {
     "MujocoPush": "flashrt_gym.sims.mujoco_cpu",
+    "WarpPush": "flashrt_gym.sims.mujoco_warp",
     "PushConfig": "flashrt_gym.sims.push",
     "PushTask": "flashrt_gym.sims.push",
     "SCENE": "flashrt_gym.sims.push",
@@ -34,5 +37,6 @@ def __getattr__(name: str) -> Any:
 
 
 register_simulator("FlashRT-MuJoCoPush", "flashrt_gym.sims.mujoco_cpu:MujocoPush")
+register_simulator("FlashRT-MuJoCoWarpPush", "flashrt_gym.sims.mujoco_warp:WarpPush")
 
 __all__ = ["make_env", "make_vector_env", "register_simulator", *_LAZY]

@@ -1,47 +1,61 @@
-"""The push task on MuJoCo Warp: ``num_slots`` worlds of the same scene on one CUDA GPU, whose
-whole state is slot buffers.
+"""The push task on MuJoCo Warp: one world per slot on one GPU, an in-graph simulator.
 
-An in-graph simulator: a slot's state is ``sim.physics`` (MuJoCo Warp's ``get_state`` row with
-the integration signature, float32: time, qpos, qvel, the solver's warm start, ctrl, ...) and
-the task's ``sim.instruction``, ``sim.tick``, ``sim.success``, ``sim.key``, ``sim.counter``, all
-in the env's :class:`~flashrt.runtime.BufferSet`, so capsules are byte copies of them. MuJoCo
+:class:`WarpPush` implements :class:`flashrt_gym.simulator.Simulator`: its whole state is slot
+buffers of the env's :class:`~flashrt.runtime.BufferSet` (``sim.physics``, MuJoCo Warp's
+``get_state`` row with the integration signature, float32: time, qpos, qvel, act, the solver's
+warm start, ctrl, applied forces, ...; and the task's ``sim.instruction``, ``sim.tick``,
+``sim.success``, ``sim.key``, ``sim.counter``), so capsules are byte copies of them. MuJoCo
 Warp's ``Data`` is scratch: each tick loads it from the rows (``set_state``), steps it
-``frame_skip`` times and writes the worlds still running back (``get_state`` with the alive
+``frame_skip`` times and stores the worlds still running back (``get_state`` with the alive
 mask; a world that has succeeded stays frozen).
 
-One :meth:`WarpPush.run_ticks` is three parts on the torch stream, with no host
-synchronisation between them:
+Every program runs on the current torch stream with no host synchronisation, so the env records
+the whole step (policy, ticks, autoresets, render) as one CUDA graph. What that takes of MuJoCo
+Warp (``capture="torch"``, the default):
 
-- :meth:`WarpPush.ticks_begin` (torch, capturable in the env's graph): rows, actions, targets
-  into the scratch that Warp reads;
-- :meth:`WarpPush.ticks_physics`: every tick's physics and task kernels (control from the
-  action, load, steps, store, rewards and success) as one Warp program, replayed as Warp's own
-  captured graph (MuJoCo Warp's solver loop is a conditional graph node that cannot be recorded
-  inside a torch capture);
-- :meth:`WarpPush.ticks_end` (torch, capturable): rows, flags and summed rewards back.
+- its Warp kernels are launched on a Warp handle of the current torch stream, and a torch capture
+  in progress is registered with Warp as an external capture (``wp.capture_begin(...,
+  external=True)``): Warp then keeps what the recorded launches need for the graph's lifetime;
+- the constraint solver runs a fixed number of iterations (``opt.graph_conditional = False``;
+  each world stops updating once it has converged), since Warp's conditional while node pauses
+  and resumes the capture, which a torch capture does not survive;
+- the temporaries a MuJoCo Warp step allocates come from torch's caching allocator (a Warp
+  allocator over it), so inside the capture they live in the graph's memory pool like any torch
+  temporary, and the recorded graph holds no memory nodes (which CUDA refuses in the conditional
+  body the env's guarded step is);
+- run-to-run determinism (``opt.deterministic``): without it, floating-point atomics make two
+  runs of the same step differ in the last bits, and a restored capsule would not continue
+  byte for byte.
 
-``reset``, ``render``, ``observation``, ``proprio`` and ``expert`` are torch programs over the
-rows (capturable). ``warp`` and ``mujoco_warp`` are imported when a :class:`WarpPush` is made,
-never by ``import flashrt_gym.sims``.
+``capture="warp"`` instead replays the same kernels as Warp's own captured graph (byte for byte
+the same ticks): for an eager env (``graphs=False``), or an engine that launches a simulator's
+ticks between its graphs (:attr:`WarpPush.ticks_in_graph` is then False).
+
+``warp`` and ``mujoco_warp`` are imported when a :class:`WarpPush` is bound, never by
+``import flashrt_gym.sims``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
+from collections.abc import Mapping
+from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, Literal
 
 import mujoco
 import numpy as np
 import torch
 
 from flashrt.runtime import BufferSet, BufferSpec, slot
-from flashrt_gym.sims.push import PushConfig, PushTask, load_scene, yaw_of
-from flashrt_gym.sims.render import TopDownRenderer
-from flashrt_gym.tasks.tabletop import BACKGROUND, COLORS, EE_COLOR, GOAL_COLOR, GOALS
+from flashrt.runtime.views import bind_views
+from flashrt_gym.sims.mujoco_cpu import renderer_for
+from flashrt_gym.sims.push import PushConfig, PushTask, load_scene, model_digest, yaw_of
 
 STATE_SIG = int(mujoco.mjtState.mjSTATE_INTEGRATION)
+ITERATIONS = 10
+"""Default bound of the constraint solver's iterations per physics step (MuJoCo's C library,
+unbounded at 100, needs at most 11 and 1.1 on average on this task's expert episodes)."""
 
 
 def state_offsets(model: mujoco.MjModel, sig: int = STATE_SIG) -> dict[str, int]:
@@ -136,85 +150,113 @@ def warp_api() -> SimpleNamespace:
     return SimpleNamespace(wp=wp, mjw=mjw, write_ctrl=write_ctrl, measure=measure, score=score)
 
 
-class WarpPush:
-    """The batched push simulator on MuJoCo Warp.
+class TorchAllocator:
+    """A Warp allocator that serves Warp arrays made while Warp runs on the torch stream from
+    torch's caching allocator (inside a torch capture: from the graph's memory pool, as a torch
+    temporary would be), and everything else (Warp's own side streams) from Warp's allocator.
 
     Args:
-        num_slots: worlds (parallel episodes); the buffer sets it runs on must have this many slots.
+        device: the torch CUDA device.
+        fallback: Warp's built-in allocator of the device.
+    """
+
+    def __init__(self, device: torch.device, fallback: Any) -> None:
+        self.device, self.fallback = device, fallback
+        self.stream: Any = None  # the Warp handle of the torch stream in use (set by the caller)
+        self._blocks: dict[int, torch.Tensor] = {}
+
+    def allocate(self, size_in_bytes: int) -> int:
+        wp = warp_api().wp
+        if self.stream is None or wp.get_stream(self.stream.device).cuda_stream != self.stream.cuda_stream:
+            return self.fallback.allocate(size_in_bytes)
+        block = torch.empty(size_in_bytes, dtype=torch.uint8, device=self.device)
+        self._blocks[block.data_ptr()] = block
+        return block.data_ptr()
+
+    def deallocate(self, ptr: int, size_in_bytes: int) -> None:
+        if self._blocks.pop(ptr, None) is None:
+            self.fallback.deallocate(ptr, size_in_bytes)
+
+
+@dataclass(frozen=True)
+class WarpPushState:
+    """Typed views of the simulator's ``sim.*`` slot buffers (each ``(slots, ...)``)."""
+
+    physics: torch.Tensor  # (nstate,) float32 MuJoCo Warp's integration state row
+    instruction: torch.Tensor  # () int64 index into WarpPush.instructions
+    tick: torch.Tensor  # () int64 ticks into the episode (frozen after success)
+    success: torch.Tensor  # () bool
+    key: torch.Tensor  # () int64 the slot's RNG stream
+    counter: torch.Tensor  # () int64 draws taken from it (one per episode)
+
+
+class WarpPush:
+    """The batched push simulator on MuJoCo Warp, an in-graph simulator.
+
+    Make it, put :meth:`specs` into the set's specs, then :meth:`bind` it to the set (which
+    builds MuJoCo Warp's model and data on the set's device).
+
+    Args:
+        num_slots: worlds (parallel episodes); the buffer set must have this many slots.
         cfg: the task's parameters.
-        device: a CUDA device (``"cpu"`` runs Warp's CPU backend, eagerly: for tests of the
-            logic, slow to compile).
-        graph: replay the physics as Warp's captured graph (CUDA only); eager launches otherwise.
+        capture: ``"torch"`` (the ticks are recorded into the caller's torch graph) or
+            ``"warp"`` (the ticks' physics replays Warp's own graph; not inside a torch capture).
+        iterations: constraint solver iterations at most per physics step (MuJoCo's default is
+            100; a fixed count is recorded into the graph, so this bounds the graph's size).
+        deterministic: MuJoCo Warp's run-to-run determinism (needed for byte-exact restores).
         nconmax, njmax: MuJoCo Warp's contact and constraint capacities per world.
     """
 
+    num_cameras = 1
     action_dim = 2
     proprio_dim = 2
+    observation_bound = 1.0
 
     def __init__(
         self,
         num_slots: int,
         cfg: PushConfig | None = None,
-        device: str | torch.device = "cuda",
         *,
-        graph: bool = True,
+        capture: Literal["torch", "warp"] = "torch",
+        iterations: int = ITERATIONS,
+        deterministic: bool = True,
         nconmax: int = 32,
         njmax: int = 160,
     ) -> None:
-        if int(num_slots) < 1:
-            raise ValueError(f"num_slots must be >= 1, got {num_slots}")
-        self.k = k = warp_api()
+        if isinstance(num_slots, bool) or int(num_slots) < 1:
+            raise ValueError(f"num_slots must be an int >= 1, got {num_slots!r}")
+        if capture not in ("torch", "warp"):
+            raise ValueError(f"capture must be 'torch' or 'warp', got {capture!r}")
+        for name, value in (("iterations", iterations), ("nconmax", nconmax), ("njmax", njmax)):
+            if isinstance(value, bool) or int(value) < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         self.cfg = cfg = cfg or PushConfig()
-        self.num_slots = n = int(num_slots)
-        self.device = torch.device(device)
-        if self.device.type == "cuda" and self.device.index is None:
-            self.device = torch.device("cuda", torch.cuda.current_device())
-        self.graph = bool(graph) and self.device.type == "cuda"
+        self.num_slots = int(num_slots)
+        self.capture = capture
+        self.ticks_in_graph = capture == "torch"
+        """Whether :meth:`run_ticks` can be recorded into the caller's torch graph."""
+        self.iterations, self.deterministic = int(iterations), bool(deterministic)
+        self.nconmax, self.njmax = int(nconmax), int(njmax)
         self.mjm, self.layout = load_scene(cfg)
+        self.mjm.opt.iterations = min(self.mjm.opt.iterations, self.iterations)
         self.task = PushTask(cfg, self.layout)
         self.instructions = self.task.instructions
         self.image_size = cfg.table.image_size
-        self.wp_device = k.wp.device_from_torch(self.device)
-        with k.wp.ScopedDevice(self.wp_device):
-            self.m = k.mjw.put_model(self.mjm)
-            self.d = k.mjw.make_data(self.mjm, nworld=n, nconmax=nconmax, njmax=njmax)
+        self.observation_dim = self.task.observation_dim
         self.nstate = mujoco.mj_stateSize(self.mjm, STATE_SIG)
         off = state_offsets(self.mjm)
         lay = self.layout
-        self._ee = off["qpos"] + lay.ee_qpos[0]
         if lay.ee_qpos[1] != lay.ee_qpos[0] + 1 or list(lay.ee_actuators) != [0, 1]:
             raise ValueError("the scene must declare ee_x then ee_y, and their two actuators first")
-        self._ctrl = off["ctrl"]
-        self._obj = torch.tensor([off["qpos"] + a for a in lay.obj_qpos], device=self.device)
+        self._ee, self._ctrl = off["qpos"] + lay.ee_qpos[0], off["ctrl"]
+        self._obj = [off["qpos"] + a for a in lay.obj_qpos]
         self._speed = cfg.table.max_speed / lay.tick_seconds
-        cold = mujoco.MjData(self.mjm)
-        row = np.empty(self.nstate)
-        mujoco.mj_getState(self.mjm, cold, row, STATE_SIG)
-        self._cold = torch.tensor(row, dtype=torch.float32, device=self.device)
-        f32 = {"dtype": torch.float32, "device": self.device}
-        self._state = torch.zeros(n, self.nstate, **f32)  # scratch: what Warp loads and stores
-        self._target_adr = torch.zeros(n, dtype=torch.int32, device=self.device)
-        self._goal = torch.zeros(n, 2, **f32)
-        self._dist = torch.zeros(n, 2, **f32)
-        self._alive = torch.zeros(n, dtype=torch.bool, device=self.device)
-        self._tick = torch.zeros(n, dtype=torch.int64, device=self.device)
-        self._dense = torch.zeros(n, **f32)
-        self._sparse = torch.zeros(n, **f32)
-        self._scratch = (self._state, self._dist, self._alive, self._tick, self._dense, self._sparse)
+        self._digest = model_digest(self.mjm)
+        self.renderer = renderer_for(cfg, self.task)
+        self._state: WarpPushState | None = None
         self._programs: dict[int, dict[str, Any]] = {}
         self._streams: dict[int, Any] = {}
-        table = cfg.table
-        self.renderer = TopDownRenderer(
-            lay.footprints,
-            [COLORS[o.split()[0]] for o in table.objects],
-            [GOALS[g] for g in table.goals],
-            table.goal_radius,
-            table.ee_radius,
-            table.image_size,
-            BACKGROUND,
-            GOAL_COLOR,
-            EE_COLOR,
-        )
+        self._captures: list[Any] = []  # Warp's records of the torch captures the ticks joined
 
     # -- layout --------------------------------------------------------------------------------
     def specs(self) -> list[BufferSpec]:
@@ -228,55 +270,127 @@ class WarpPush:
             slot("sim.counter", (), torch.int64),
         ]
 
-    @property
-    def state_dim(self) -> int:
-        return self.task.observation_dim
-
-    def _check(self, b: BufferSet) -> None:
-        if b.num_slots != self.num_slots or b.device != self.device:
+    def bind(self, bufs: BufferSet) -> WarpPush:
+        """Take the ``sim.*`` buffers of ``bufs`` (once) and build MuJoCo Warp's model, data and
+        the scratch of the ticks on its device."""
+        if self._state is not None:
+            raise ValueError("this WarpPush is bound to a buffer set already; make one per set")
+        if bufs.num_slots != self.num_slots:
             raise ValueError(
-                f"this simulator runs {self.num_slots} worlds on {self.device}; the buffer set has "
-                f"{b.num_slots} slots on {b.device}: make the simulator with the set's slots and device"
+                f"this simulator runs {self.num_slots} worlds; the buffer set has {bufs.num_slots} slots: make the "
+                "simulator with the env's num_envs"
             )
+        k = warp_api()
+        state = bind_views(WarpPushState, bufs, "sim")
+        device = self.device = state.physics.device
+        self.wp_device = k.wp.device_from_torch(device)
+        n = self.num_slots
+        with k.wp.ScopedDevice(self.wp_device):
+            self.m = k.mjw.put_model(self.mjm)
+            self.m.opt.graph_conditional = False  # a fixed iteration bound: no conditional node (see the module)
+            self.m.opt.deterministic = int(k.mjw.DeterminismType.ALL if self.deterministic else 0)
+            self.d = k.mjw.make_data(self.mjm, nworld=n, nconmax=self.nconmax, njmax=self.njmax)
+        cold = mujoco.MjData(self.mjm)
+        row = np.empty(self.nstate)
+        mujoco.mj_getState(self.mjm, cold, row, STATE_SIG)
+        self._cold = torch.tensor(row, dtype=torch.float32, device=device)
+        f32 = {"dtype": torch.float32, "device": device}
+        self._rows = torch.zeros(n, self.nstate, **f32)  # what Warp loads and stores
+        self._obj_adr = torch.tensor(self._obj, dtype=torch.int32, device=device)
+        self._target_adr = torch.zeros(n, dtype=torch.int32, device=device)
+        self._goal = torch.zeros(n, 2, **f32)
+        self._dist = torch.zeros(n, 2, **f32)
+        self._alive = torch.zeros(n, dtype=torch.bool, device=device)
+        self._tick = torch.zeros(n, dtype=torch.int64, device=device)
+        self._dense = torch.zeros(n, **f32)
+        self._sparse = torch.zeros(n, **f32)
+        self._scratch = (self._rows, self._dist, self._alive, self._tick, self._dense, self._sparse)
+        self.task.constants(device)
+        self.renderer.constants(device)
+        use_torch = device.type == "cuda" and self.capture == "torch"
+        self._allocator = TorchAllocator(device, self.wp_device.current_allocator) if use_torch else None
+        self._state = state
+        return self
 
-    def poses(self, b: BufferSet) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    @property
+    def state(self) -> WarpPushState:
+        if self._state is None:
+            raise ValueError("bind the WarpPush to a buffer set first: WarpPush(n).bind(bufs)")
+        return self._state
+
+    @property
+    def success(self) -> torch.Tensor:
+        return self.state.success
+
+    @property
+    def instruction(self) -> torch.Tensor:
+        return self.state.instruction
+
+    @property
+    def rng_key(self) -> torch.Tensor:
+        return self.state.key
+
+    def identity(self) -> str:
+        """The compiled model, the task's parameters and the solver settings that change results."""
+        return (
+            f"mujoco-warp-push|model={self._digest}|{sorted(self.cfg.table.to_dict().items())}|"
+            f"frame_skip={self.cfg.frame_skip}|iterations={self.iterations}|deterministic={self.deterministic}|"
+            f"nconmax={self.nconmax}|njmax={self.njmax}"
+        )
+
+    def validate(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Raise ``ValueError`` naming the buffer if ``sim.*`` tensors (a capsule's, before it is
+        restored) hold values this simulator cannot step from."""
+        instr = state["sim.instruction"]
+        if instr.numel() and (int(instr.min()) < 0 or int(instr.max()) >= len(self.instructions)):
+            raise ValueError(f"sim.instruction holds indices outside [0, {len(self.instructions)})")
+        for name in ("sim.tick", "sim.counter"):
+            if state[name].numel() and int(state[name].min()) < 0:
+                raise ValueError(f"{name} holds negative values")
+        if not torch.isfinite(state["sim.physics"]).all():
+            raise ValueError("sim.physics holds NaN or infinity")
+        success = state["sim.success"]
+        if success.numel() and int(success.view(torch.uint8).max()) > 1:
+            raise ValueError("sim.success holds bytes other than 0 and 1")
+
+    def poses(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(slots, 2) end-effector, (slots, K, 2) object positions and (slots, K) headings."""
-        phys = b["sim.physics"]
-        obj = phys[:, self._obj[:, None] + torch.arange(7, device=self.device)]
+        phys = self.state.physics
+        obj = torch.stack([phys[:, a : a + 7] for a in self._obj], dim=1)  # x y z qw qx qy qz
         return phys[:, self._ee : self._ee + 2], obj[..., :2], yaw_of(obj[..., 3:7])
 
     # -- episodes (torch) ----------------------------------------------------------------------
-    def seed(self, b: BufferSet, seeds: torch.Tensor, mask: torch.Tensor | None = None) -> None:
-        """Set each slot's RNG key from an int64 seed (and zero its counter), where ``mask``."""
-        keep = torch.ones_like(b["sim.success"]) if mask is None else mask
-        b["sim.key"].copy_(torch.where(keep, seeds.to(b.device, torch.int64), b["sim.key"]))
-        b["sim.counter"].masked_fill_(keep, 0)
+    def seed(self, seeds: torch.Tensor) -> None:
+        """Give every slot the RNG stream of its int64 seed (slots,), from its first draw."""
+        s = self.state
+        s.key.copy_(seeds)
+        s.counter.zero_()
 
-    def reset(self, b: BufferSet, mask: torch.Tensor | None = None, instruction: torch.Tensor | None = None) -> None:
-        """Draw a new episode from each slot's RNG where ``mask`` (all if None): the tabletop's
-        draws into a cold state row (zero velocity and warm start, objects upright).
-        ``instruction`` (slots,) forces instruction indices where >= 0."""
-        self._check(b)
-        m = torch.ones_like(b["sim.success"]) if mask is None else mask
-        drawn, ee, obj = self.task.draw(b["sim.key"], b["sim.counter"], instruction)
+    def reset(self, mask: torch.Tensor | None = None, instruction: torch.Tensor | None = None) -> None:
+        """Draw the next episode of each slot's stream where ``mask`` (all if None): the
+        tabletop's draws into a cold state row (zero velocity and warm start, objects upright).
+        ``instruction`` (slots,) forces instruction indices where >= 0. Capturable."""
+        s = self.state
+        m = torch.ones_like(s.success) if mask is None else mask
+        drawn, ee, obj = self.task.draw(s.key, s.counter, instruction)
         rows = self._cold.expand(self.num_slots, -1).clone()
         rows[:, self._ee : self._ee + 2] = ee
-        rows[:, self._obj] = obj[..., 0]
-        rows[:, self._obj + 1] = obj[..., 1]
-        b["sim.physics"].copy_(torch.where(m[:, None], rows, b["sim.physics"]))
-        b["sim.instruction"].copy_(torch.where(m, drawn, b["sim.instruction"]))
-        b["sim.tick"].masked_fill_(m, 0)
-        b["sim.success"].masked_fill_(m, False)
-        b["sim.counter"].add_(m.long())
+        for k, a in enumerate(self._obj):
+            rows[:, a : a + 2] = obj[:, k]
+        s.physics.copy_(torch.where(m[:, None], rows, s.physics))
+        s.instruction.copy_(torch.where(m, drawn, s.instruction))
+        s.tick.masked_fill_(m, 0)
+        s.success.masked_fill_(m, False)
+        s.counter.add_(m.long())
 
     # -- the ticks -----------------------------------------------------------------------------
     def _program(self, ticks: int) -> dict[str, Any]:
-        """Scratch and (on CUDA) the captured Warp graph of a ``ticks``-tick physics program."""
+        """The actions scratch and Warp's views of a ``ticks``-tick program (made once per T)."""
         if ticks not in self._programs:
-            wp = self.k.wp
+            wp = warp_api().wp
             actions = torch.zeros(self.num_slots, ticks, 2, dtype=torch.float32, device=self.device)
             views = {
-                "state": wp.from_torch(self._state),
+                "rows": wp.from_torch(self._rows),
                 "actions": wp.from_torch(actions),
                 "obj": wp.from_torch(self._target_adr),
                 "goal": wp.from_torch(self._goal, dtype=wp.vec2),
@@ -290,104 +404,119 @@ class WarpPush:
         return self._programs[ticks]
 
     def _launch(self, ticks: int) -> None:
-        """Every tick's Warp work, eagerly, on the current Warp stream."""
-        k, p = self.k, self._programs[ticks]
+        """Every tick's Warp work (control, load, steps, store, rewards), on Warp's current stream."""
+        k, p = warp_api(), self._programs[ticks]
         v, table, n = p["views"], self.cfg.table, self.num_slots
         ring = table.ee_radius + table.obj_radius
-        common = (v["state"], self._ee, v["obj"], v["goal"], ring)
+        common = (v["rows"], self._ee, v["obj"], v["goal"], ring)
         k.wp.launch(k.measure, dim=n, inputs=[*common, v["dist"]])
         for t in range(ticks):
-            k.wp.launch(k.write_ctrl, dim=n, inputs=[v["state"], v["actions"], v["alive"], t, self._ctrl, self._speed])
-            k.mjw.set_state(self.m, self.d, v["state"], STATE_SIG)
+            k.wp.launch(k.write_ctrl, dim=n, inputs=[v["rows"], v["actions"], v["alive"], t, self._ctrl, self._speed])
+            k.mjw.set_state(self.m, self.d, v["rows"], STATE_SIG)
             for _ in range(self.cfg.frame_skip):
                 k.mjw.step(self.m, self.d)
-            k.mjw.get_state(self.m, self.d, v["state"], STATE_SIG, active=v["alive"])
+            k.mjw.get_state(self.m, self.d, v["rows"], STATE_SIG, active=v["alive"])
             inputs = [*common, table.goal_radius, v["dist"], v["alive"], v["tick"], v["dense"], v["sparse"]]
             k.wp.launch(k.score, dim=n, inputs=inputs)
 
-    def ticks_begin(self, b: BufferSet, actions: torch.Tensor) -> None:
-        """Torch part before the physics: the rows, actions (slots, T, 2), each slot's target
-        address and goal, alive flags and zeroed sums into the scratch Warp reads."""
-        self._check(b)
-        n, ticks = self.num_slots, actions.shape[1] if actions.dim() == 3 else -1
-        if actions.shape != (n, ticks, 2):
-            raise ValueError(f"actions must have shape ({n}, T, 2), got {tuple(actions.shape)}")
+    def _stream(self) -> Any:
+        """Warp's handle of the current torch stream (one per torch stream, made once)."""
+        current = torch.cuda.current_stream(self.device)
+        if current.cuda_stream not in self._streams:
+            self._streams[current.cuda_stream] = warp_api().wp.stream_from_torch(current)
+        return self._streams[current.cuda_stream]
+
+    def physics(self, ticks: int) -> None:
+        """The Warp part of :meth:`run_ticks` over the scratch that :meth:`run_ticks` fills,
+        on the current torch stream: recorded into a torch capture in progress
+        (``capture="torch"``), or Warp's own graph replayed (``capture="warp"``, captured at the
+        first call after one eager run that loads the kernels)."""
+        k, p = warp_api(), self._program(ticks)
+        wp = k.wp
+        if self.device.type != "cuda":  # Warp's CPU backend: eager launches
+            with wp.ScopedDevice(self.wp_device):
+                self._launch(ticks)
+            return
+        stream = self._stream()
+        capturing = torch.cuda.is_current_stream_capturing()
+        with wp.ScopedDevice(self.wp_device), wp.ScopedStream(stream, sync_enter=False):
+            if self.capture == "warp":
+                if capturing:
+                    raise RuntimeError(
+                        "WarpPush(capture='warp') replays its own graph and cannot be recorded into a torch "
+                        "capture; use capture='torch' in a captured env step"
+                    )
+                if p["graph"] is None:
+                    saved = [t.clone() for t in self._scratch]
+                    self._launch(ticks)  # load every module before the capture, then undo the run
+                    for t, s in zip(self._scratch, saved, strict=True):
+                        t.copy_(s)
+                    with wp.ScopedCapture(stream=stream) as cap:
+                        self._launch(ticks)
+                    p["graph"] = cap.graph
+                wp.capture_launch(p["graph"], stream=stream)
+                return
+            self._allocator.stream = stream
+            with wp.ScopedAllocator(self.wp_device, self._allocator):
+                if capturing:
+                    wp.capture_begin(stream=stream, external=True)
+                try:
+                    self._launch(ticks)
+                finally:
+                    if capturing:
+                        self._captures.append(wp.capture_end(stream=stream))
+
+    def run_ticks(self, actions: torch.Tensor, dense: torch.Tensor, sparse: torch.Tensor) -> None:
+        """Advance every slot ``T`` ticks under ``actions (slots, T, 2)`` in [-1, 1] (clipped)
+        and write the summed (dense, sparse) rewards into ``dense`` and ``sparse`` (float32
+        (slots,)). Slots that have succeeded stay frozen and earn nothing. Torch, then Warp,
+        then torch, on the current stream with no host synchronisation: capturable."""
+        s, n = self.state, self.num_slots
+        if actions.dim() != 3 or actions.shape[0] != n or actions.shape[2] != self.action_dim:
+            raise ValueError(f"run_ticks: actions must be ({n}, T, {self.action_dim}), got {tuple(actions.shape)}")
+        if any(o.shape != (n,) or o.dtype != torch.float32 for o in (dense, sparse)):
+            raise ValueError(f"run_ticks: dense and sparse must be float32 ({n},) tensors")
+        ticks = actions.shape[1]
         p = self._program(ticks)
         p["actions"].copy_(actions)
-        self._state.copy_(b["sim.physics"])
-        target, goal = self.task.target_and_goal(b["sim.instruction"])
-        self._target_adr.copy_(self._obj[target])
+        self._rows.copy_(s.physics)
+        target, goal = self.task.target_and_goal(s.instruction)
+        self._target_adr.copy_(self._obj_adr[target])
         self._goal.copy_(self.task.constants(self.device)["goals"][goal])
-        torch.logical_not(b["sim.success"], out=self._alive)
-        self._tick.copy_(b["sim.tick"])
+        torch.logical_not(s.success, out=self._alive)
+        self._tick.copy_(s.tick)
         self._dense.zero_()
         self._sparse.zero_()
+        self.physics(ticks)
+        s.physics.copy_(self._rows)
+        torch.logical_not(self._alive, out=s.success)
+        s.tick.copy_(self._tick)
+        dense.copy_(self._dense)
+        sparse.copy_(self._sparse)
 
-    def ticks_physics(self, ticks: int) -> None:
-        """The Warp program of ``ticks`` ticks on the current torch stream: Warp's captured graph
-        (captured at the first call, after one eager warm-up that compiles the kernels), or
-        eager launches."""
-        p, wp = self._programs[ticks], self.k.wp
-        stream = None
-        if self.device.type == "cuda":
-            current = torch.cuda.current_stream(self.device)
-            if current.cuda_stream not in self._streams:  # one Warp handle per torch stream
-                self._streams[current.cuda_stream] = wp.stream_from_torch(current)
-            stream = self._streams[current.cuda_stream]
-        with wp.ScopedDevice(self.wp_device), wp.ScopedStream(stream) if stream else contextlib.nullcontext():
-            if not self.graph:
-                self._launch(ticks)
-                return
-            if p["graph"] is None:
-                saved = [t.clone() for t in self._scratch]
-                self._launch(ticks)  # compile and load every module before capture, then undo it
-                for t, s in zip(self._scratch, saved, strict=True):
-                    t.copy_(s)
-                with wp.ScopedCapture(stream=stream) as cap:
-                    self._launch(ticks)
-                p["graph"] = cap.graph
-            wp.capture_launch(p["graph"], stream=stream)
+    # -- observations (torch, capturable) ------------------------------------------------------
+    def render(self, out: torch.Tensor) -> None:
+        """Every slot's top-down image into ``out (slots, 1, H, W, 3)`` uint8."""
+        size, n = self.image_size, self.num_slots
+        if out.shape != (n, 1, size, size, 3) or out.dtype != torch.uint8:
+            raise ValueError(
+                f"render: out must be ({n}, 1, {size}, {size}, 3) uint8, got {tuple(out.shape)} {out.dtype}"
+            )
+        self.renderer(*self.poses(), out=out[:, 0])
 
-    def ticks_end(
-        self, b: BufferSet, out: tuple[torch.Tensor, torch.Tensor] | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Torch part after the physics: rows, success and ticks back into the slot buffers;
-        returns the summed (dense, sparse) rewards, written into ``out`` when given."""
-        b["sim.physics"].copy_(self._state)
-        torch.logical_not(self._alive, out=b["sim.success"])
-        b["sim.tick"].copy_(self._tick)
-        if out is None:
-            return self._dense.clone(), self._sparse.clone()
-        return out[0].copy_(self._dense), out[1].copy_(self._sparse)
+    def proprio(self, out: torch.Tensor) -> None:
+        """(slots, 2) end-effector position into ``out``."""
+        out.copy_(self.poses()[0])
 
-    def run_ticks(
-        self, b: BufferSet, actions: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor] | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Advance every slot ``T`` ticks under ``actions`` (slots, T, 2) in [-1, 1] (clipped);
-        returns the summed (dense, sparse) rewards (into ``out`` when given). Slots that have
-        succeeded stay frozen. The three parts in order, with no host synchronisation."""
-        self.ticks_begin(b, actions)
-        self.ticks_physics(actions.shape[1])
-        return self.ticks_end(b, out)
+    def observation(self, out: torch.Tensor) -> None:
+        """(slots, observation_dim) float32 low-dimensional observation into ``out``."""
+        ee, obj, _ = self.poses()
+        out.copy_(self.task.observation(ee, obj, self.state.instruction))
 
-    # -- observations (torch) ------------------------------------------------------------------
-    def render(self, b: BufferSet, out: torch.Tensor | None = None) -> torch.Tensor:
-        """(slots, H, W, 3) uint8 top-down images, into ``out`` when given."""
-        return self.renderer(*self.poses(b), out=out)
-
-    def observation(self, b: BufferSet) -> torch.Tensor:
-        """(slots, state_dim) float32 low-dimensional observation (the tabletop's ``state``)."""
-        ee, obj, _ = self.poses(b)
-        return self.task.observation(ee, obj, b["sim.instruction"])
-
-    def proprio(self, b: BufferSet) -> torch.Tensor:
-        """(slots, 2) end-effector position."""
-        return self.poses(b)[0]
-
-    def expert(self, b: BufferSet) -> torch.Tensor:
-        """(slots, 2) actions of the scripted pusher."""
-        ee, obj, yaw = self.poses(b)
-        return self.task.expert(ee, obj, yaw, b["sim.instruction"])
+    def expert(self) -> torch.Tensor:
+        """(slots, 2) actions of the scripted pusher (not capturable: for scripts)."""
+        ee, obj, yaw = self.poses()
+        return self.task.expert(ee, obj, yaw, self.state.instruction)
 
     def overflow(self) -> int:
         """Worlds whose contacts or constraints overflowed MuJoCo Warp's capacities so far (a

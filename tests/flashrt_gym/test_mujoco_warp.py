@@ -1,9 +1,11 @@
-"""The push task on MuJoCo Warp (in-graph: its whole state is slot buffers). Skipped without
-``mujoco_warp``. On CUDA it runs the captured graph too; Warp's CPU backend (eager, a minute or
-more to compile and run) only with ``FLASHRT_WARP_CPU=1``, to check the logic where there is no
-GPU."""
+"""The push task on MuJoCo Warp, an in-graph simulator, through the env. Skipped without
+``mujoco_warp``. On CUDA (``pytest -m cuda``) the env records the whole step (policy and
+MuJoCo Warp's physics) as one graph: it must equal the eager step byte for byte through
+autoresets, and capsules must restore exactly. Warp's CPU backend runs the eager tests where
+there is no GPU, with ``FLASHRT_WARP_CPU=1`` (minutes: Warp compiles its kernels first)."""
 
 import os
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -11,120 +13,171 @@ import torch
 
 pytest.importorskip("mujoco_warp")
 
-from flashrt.runtime import BufferSet, fork, restore, snapshot
-from flashrt_gym.sims import MujocoPush
-from flashrt_gym.sims.mujoco_warp import WarpPush
+from flashrt import runtime
+from flashrt.policies import FlowPolicy, save
+from flashrt.policies.config import tiny
+from flashrt_gym import FlashRTVectorEnv
+from flashrt_gym.external import is_external
+from flashrt_gym.sims import MujocoPush, PushConfig, WarpPush
+from flashrt_gym.sims.mujoco_warp import state_offsets
+from flashrt_gym.simulator import Simulator
+from flashrt_gym.tasks import TabletopConfig
 
-N = 3
-DEVICES = [
-    pytest.param(
-        "cpu",
-        marks=pytest.mark.skipif(os.environ.get("FLASHRT_WARP_CPU") != "1", reason="set FLASHRT_WARP_CPU=1"),
-    ),
-    pytest.param(
-        "cuda",
-        marks=[pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")],
-    ),
-]
-
-
-@pytest.fixture(scope="module", params=DEVICES)
-def sim(request) -> WarpPush:
-    return WarpPush(N, device=request.param)
+CUDA = pytest.param(
+    "cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+)
+WARP_CPU = pytest.param(
+    "cpu", marks=pytest.mark.skipif(os.environ.get("FLASHRT_WARP_CPU") != "1", reason="set FLASHRT_WARP_CPU=1")
+)
+N = 4
 
 
-def start(sim: WarpPush, seed: int = 11) -> BufferSet:
-    b = BufferSet(sim.specs(), N, sim.device)
-    sim.seed(b, torch.arange(N, device=sim.device) + seed)
-    sim.reset(b)
-    return b
+@pytest.fixture(scope="module")
+def micro(tmp_path_factory):
+    """A random policy with the tiny policy's interface, one layer of width 64 (fast on a CPU)."""
+    cfg = replace(
+        tiny(TabletopConfig().vocabulary),
+        width=64, depth=1, heads=2, head_dim=32, mlp=128, vision_width=64, vision_depth=1, vision_heads=2,
+        vision_mlp=128, expert_width=64, expert_mlp=128, steps=2,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return save(FlowPolicy(cfg), tmp_path_factory.mktemp("micro"))
 
 
-def chunks(sim: WarpPush, count: int, ticks: int = 2) -> list[torch.Tensor]:
-    g = torch.Generator().manual_seed(3)
-    return [(torch.rand(N, ticks, 2, generator=g) * 2 - 1).to(sim.device) for _ in range(count)]
+def warp_env(device: str, micro, n: int = N, graphs: bool = True, **kw) -> FlashRTVectorEnv:
+    """The env around MuJoCo Warp: the shipped tiny policy on CUDA, the micro one on the CPU."""
+    cfg, capture = kw.pop("cfg", None), kw.pop("capture", "torch")
+    weights = None if device == "cuda" else micro
+    sim = lambda: WarpPush(n, cfg, capture=capture)  # noqa: E731
+    return FlashRTVectorEnv(n, device=device, graphs=graphs, weights=weights, simulator=sim, **kw)
 
 
-def drive(sim: WarpPush, b: BufferSet, actions: list[torch.Tensor]) -> list[bytes]:
+def noise(n: int, k: int, device: str, seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.rand(n, 16, generator=g) * 2 - 1).to(device) for _ in range(k)]
+
+
+def run(env: FlashRTVectorEnv, acts: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Every output of every step, and the simulator's slot buffers after it."""
     out = []
-    for a in actions:
-        dense, sparse = sim.run_ticks(b, a)
-        out += [dense.cpu().numpy().tobytes(), sparse.cpu().numpy().tobytes(), b.slot_arena.cpu().numpy().tobytes()]
+    for a in acts:
+        obs, r, te, tr, info = env.step_torch(a)
+        out += [obs, r, te, tr, info["final_obs"], info["_final_obs"], env.engine.bufs["sim.physics"].clone()]
+    if env.device.type == "cuda":
+        torch.cuda.synchronize()
     return out
 
 
-def test_starts_and_rewards_follow_the_cpu_backend(sim):
-    """Same seeds -> the same episode (positions equal to float32 rounding); the same actions -> rewards within
-    float32's drift of MuJoCo's C library. Mutation: other actions give other rewards."""
-    b = start(sim)
-    cpu = MujocoPush(N)
+def equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+@pytest.mark.parametrize("device", [WARP_CPU, CUDA])
+def test_warp_push_is_an_in_graph_simulator(device):
+    sim = WarpPush(2)
+    assert not is_external(sim)
+    sim.bind(runtime.BufferSet(sim.specs(), 2, device))
+    assert isinstance(sim, Simulator) and sim.success.shape == (2,) and sim.success.device.type == device
+
+
+@pytest.mark.parametrize("device", [WARP_CPU, CUDA])
+def test_starts_and_rewards_follow_the_cpu_backend(device):
+    """Same seeds: the same episode (positions equal to float32 rounding). Same actions:
+    rewards within float32's drift of MuJoCo's C library. Mutation: other actions do not."""
+    sim = WarpPush(N)
+    bufs = runtime.BufferSet(sim.specs(), N, device)
+    sim.bind(bufs)
+    sim.seed(torch.arange(N, device=device) + 11)
+    sim.reset()
+    cpu, other = MujocoPush(N), MujocoPush(N)
     cpu.seed(np.arange(N) + 11)
     cpu.reset()
-    assert np.allclose(sim.observation(b).cpu().numpy(), cpu.observation(), atol=1e-6)  # an ulp on CUDA
-    other = MujocoPush(N)
     other.set_state(None, cpu.get_state())
-    for a in chunks(sim, 3):
-        dense, sparse = sim.run_ticks(b, a)
-        want = cpu.run_ticks(a.cpu().numpy())
-        wrong = other.run_ticks(np.clip(a.cpu().numpy()[:, ::-1] * -1, -1, 1))
+    obs = torch.empty(N, sim.observation_dim, device=device)
+    sim.observation(obs)
+    assert np.allclose(obs.cpu().numpy(), cpu.observation(), atol=1e-6)
+    dense, sparse = torch.zeros(N, device=device), torch.zeros(N, device=device)
+    for a in noise(N, 3, device)[:3]:
+        chunk = a.view(N, 8, 2)[:, :2]
+        sim.run_ticks(chunk, dense, sparse)
+        want = cpu.run_ticks(chunk.cpu().numpy())
+        wrong = other.run_ticks(-chunk.cpu().numpy())
         assert np.allclose(dense.cpu().numpy(), want[0], atol=2e-3)
         assert np.array_equal(sparse.cpu().numpy(), want[1])
     assert not np.allclose(dense.cpu().numpy(), wrong[0], atol=2e-3)
-    assert np.allclose(sim.observation(b).cpu().numpy(), cpu.observation(), atol=5e-3)
+    sim.observation(obs)
+    assert np.allclose(obs.cpu().numpy(), cpu.observation(), atol=5e-3)
 
 
-def test_capsule_restore_and_fork_are_exact_and_qpos_qvel_alone_is_not(sim):
-    """Restore a snapshot of the slot buffers and continue: byte-identical to the first
-    continuation. Fork slot 0 into every slot: equal actions keep them equal. Keeping only
-    time, qpos and qvel of the rows (warm start dropped) diverges."""
-    b = start(sim)
-    sim.run_ticks(b, sim.expert(b)[:, None].repeat(1, 2, 1))  # into contact
-    cap = snapshot(b)
-    actions = chunks(sim, 2)
-    want = drive(sim, b, actions)
-    restore(b, cap)
-    assert drive(sim, b, actions) == want
+@pytest.mark.parametrize("device", [WARP_CPU, CUDA])
+def test_capsules_restore_exactly_fork_and_qpos_qvel_alone_diverges(device, micro):
+    """Restore a snapshot and continue: byte-identical to the first continuation (graph replays
+    on CUDA). Keeping only time, qpos and qvel of the physics rows (the ablation: the solver's
+    warm start is lost) diverges. Fork of slot 0 under equal actions keeps every slot equal."""
+    env = warp_env(device, micro)
+    env.reset(seed=3)
+    acts = noise(N, 6, device, seed=1)
+    run(env, acts[:2])  # into contact
+    cap = env.snapshot()
+    want = run(env, acts[2:])
+    env.restore(cap)
+    assert equal(run(env, acts[2:]), want)
 
-    restore(b, cap)
-    nq, nv = sim.mjm.nq, sim.mjm.nv
-    rows = b["sim.physics"]
-    rows[:, 1 + nq + nv :] = sim._cold[1 + nq + nv :]
-    got = drive(sim, b, actions)
-    assert got[-1] != want[-1]
+    sim, bufs = env.engine.sim, env.engine.bufs
+    env.restore(cap)
+    run(env, acts[:2])  # the rows' warm start now holds other accelerations
+    later = bufs["sim.physics"].clone()
+    kept = state_offsets(sim.mjm)["qpos"] + sim.mjm.nq + sim.mjm.nv  # time, qpos, qvel
+    env.restore(cap)
+    bufs["sim.physics"][:, kept:] = later[:, kept:]
+    assert not equal(run(env, acts[2:]), want)
 
-    restore(b, cap)
-    fork(b, 0, list(range(1, N)))
-    same = [a[:1].expand(N, -1, -1).contiguous() for a in actions]
-    drive(sim, b, same)
-    arena = b.slot_arena.cpu()
-    assert all(torch.equal(arena[i], arena[0]) for i in range(1, N))
-
-
-def test_masked_reset_and_frozen_success(sim):
-    b = start(sim, seed=5)
-    before = b.slot_arena.clone()
-    mask = torch.tensor([True, False, True], device=sim.device)
-    sim.reset(b, mask)
-    after = b.slot_arena
-    assert torch.equal(before[1], after[1]) and not torch.equal(before[0], after[0])
-    b["sim.success"][0] = True
-    row = b["sim.physics"][0].clone()
-    dense, sparse = sim.run_ticks(b, torch.ones(N, 2, 2, device=sim.device))
-    assert torch.equal(b["sim.physics"][0], row) and dense[0] == 0 and sparse[0] == 0
-    assert int(b["sim.tick"][0]) == 0 and int(b["sim.tick"][1]) == 2
+    env.restore(cap)
+    env.fork(0, range(N))
+    same = [a[:1].expand(N, -1).contiguous() for a in acts[2:]]
+    run(env, same)
+    rows = bufs["sim.physics"]
+    assert all(torch.equal(rows[i], rows[0]) for i in range(1, N))
 
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_graph_replay_equals_eager_byte_for_byte():
-    """The physics replayed as Warp's captured graph equals its eager launches, every byte of
-    the slot buffers and rewards; a changed action (the mutation) departs."""
-    eager, graph = WarpPush(N, graph=False), WarpPush(N, graph=True)
-    b1, b2 = start(eager), start(graph)
-    assert torch.equal(b1.slot_arena, b2.slot_arena)
-    actions = chunks(eager, 4, ticks=4)
-    assert drive(eager, b1, actions) == drive(graph, b2, actions)
-    bent = [a.clone() for a in actions]
-    bent[0][0, 0, 0] = -bent[0][0, 0, 0]
-    b3 = start(graph)
-    assert drive(graph, b3, bent)[-1] != drive(eager, start(eager), actions)[-1]
+def test_graph_equals_eager_byte_for_byte_through_autoresets():
+    """The captured step (policy, MuJoCo Warp's ticks, autoresets, render, encode) equals the
+    eager step, every output and every physics byte, with episodes ending inside the replays; so
+    does the eager step with the physics replayed from Warp's own graph (``capture="warp"``).
+    Mutation: the same comparison against a simulator of another frame_skip fails."""
+    kw = {"max_episode_steps": 3}
+    graph, eager = warp_env("cuda", None, **kw), warp_env("cuda", None, graphs=False, **kw)
+    own = warp_env("cuda", None, graphs=False, capture="warp", **kw)
+    other = warp_env("cuda", None, graphs=False, cfg=PushConfig(frame_skip=9), **kw)
+    acts = noise(N, 7, "cuda", seed=2)
+    for env in (graph, eager, own, other):
+        env.reset(seed=1)
+    a, b, c, d = run(graph, acts), run(eager, acts), run(own, acts), run(other, acts)
+    assert any(step.any() for step in a[5::7])  # autoresets happened inside the replays
+    assert equal(a, b) and equal(c, b)
+    assert not equal(d, b)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_one_replay_runs_the_policy_and_the_physics_kernels():
+    """One replay of the captured step launches the policy's kernels and MuJoCo Warp's (Warp
+    names its kernels ``*_cuda_kernel_forward``), the same set at every replay."""
+    from torch.profiler import ProfilerActivity, profile
+
+    env = warp_env("cuda", None)
+    env.reset(seed=0)
+    run(env, noise(N, 1, "cuda"))  # captured
+    counts = []
+    for _ in range(2):
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            env.engine.replay()
+            torch.cuda.synchronize()
+        names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        warp = [n for n in names if n.endswith("_cuda_kernel_forward")]
+        assert warp and len(warp) < len(names)  # physics and policy, in one replay
+        counts.append(len(names))
+    assert counts[0] == counts[1]
