@@ -1,0 +1,249 @@
+"""The MuJoCo push task on the GPU: the env step with MuJoCo Warp inside the step graph, beside
+the same task on MuJoCo's C library (an external simulator) and the built-in tabletop, in one
+run; and the physics tick alone, beside MuJoCo Warp's own step.
+
+Env step, at each ``--sizes`` (default 1, 256, 4096 slots), for each simulator: an env on the
+GPU (the shipped tiny policy, ``max_episode_steps`` 40, noise actions uniform in the box, so
+episodes end by time limit or success and slots autoreset inside the steps at their natural
+times); ``--warmup`` steps (the first one captures the step) then ``--steps`` consecutive
+``step_torch`` calls. Reported: sustained chunks/s (the run's wall time over its steps), mean,
+p50, p99 and max ms per step (CUDA events between consecutive steps), the slots reset. The
+MuJoCo-CPU env runs until ``--cpu-budget-s`` seconds have passed (its physics is one CPU
+thread). For MuJoCo Warp also: eager == graph (every output and physics byte over a few steps
+through autoresets, at sizes up to ``--eager-max``), the kernels of one replay of the step graph
+(count, span, the top kernels by marginal time) and any warning of the runtime's guarded graph
+(none: the step is one launch with its body a conditional node).
+
+Physics tick alone, at each size: ``WarpPush.run_ticks`` of one tick (control, load,
+``frame_skip`` MuJoCo Warp steps, store, rewards) recorded in a torch CUDA graph, and replayed
+from Warp's own graph (``capture="warp"``); MuJoCo Warp's ``step`` x ``frame_skip`` in a Warp
+graph with MuJoCo Warp's default options (the solver's conditional loop, no determinism) and
+with this simulator's (a fixed iteration bound, determinism); with ``--testspeed``,
+``mjwarp-testspeed`` (MuJoCo Warp's own benchmark) on the scene.
+
+    python scripts/bench_mujoco.py --testspeed --out $OUT/bench_mujoco.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+from benchlib import graph_kernels, provenance, wall_ms
+
+from flashrt.runtime import BufferSet, atomic_write
+from flashrt_gym import FlashRTVectorEnv
+from flashrt_gym.sims import SCENE, MujocoPush, PushConfig, WarpPush, load_scene
+from flashrt_gym.sims.mujoco_warp import ITERATIONS, warp_api
+
+SIMULATORS = {
+    "mujoco_warp": lambda n: WarpPush(n),
+    "mujoco_cpu": lambda n: MujocoPush(n),
+    "tabletop": None,
+}
+
+
+def make_env(kind: str, n: int, graphs: bool = True) -> FlashRTVectorEnv:
+    factory = SIMULATORS[kind]
+    sim = None if factory is None else (lambda: factory(n))
+    return FlashRTVectorEnv(n, device="cuda", graphs=graphs, simulator=sim)
+
+
+def actions(n: int, k: int, seed: int) -> list[torch.Tensor]:
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return [torch.rand(n, 16, device="cuda", generator=g) * 2 - 1 for _ in range(k)]
+
+
+def sustained(env: FlashRTVectorEnv, steps: int, warmup: int, budget_s: float | None) -> dict:
+    """Consecutive steps (after ``warmup``) with autoresets: per-step GPU-side times between
+    consecutive steps, and the run's wall time."""
+    n = env.num_envs
+    for a in actions(n, warmup, 0):
+        env.step_torch(a)
+    acts = actions(n, steps, 1)
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)]
+    resets = []
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    events[0].record()
+    done = 0
+    for i, a in enumerate(acts):
+        *_, info = env.step_torch(a)
+        resets.append(info["_final_obs"].sum())
+        events[i + 1].record()
+        done += 1
+        if budget_s is not None and time.perf_counter() - start > budget_s:
+            break
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - start
+    times = sorted(events[i].elapsed_time(events[i + 1]) for i in range(done))
+    return {
+        "steps": done,
+        "sustained_chunks_per_s": n * done / wall,
+        "mean_ms": wall * 1e3 / done,
+        "p50_ms": statistics.median(times),
+        "p99_ms": times[min(done - 1, round(0.99 * (done - 1)))],
+        "max_ms": times[-1],
+        "slots_reset": int(torch.stack(resets).sum()),
+    }
+
+
+def eager_equals_graph(n: int, steps: int = 5) -> bool:
+    """The captured step against the eager one: every output and physics byte, through autoresets."""
+    runs = []
+    for graphs in (True, False):
+        env = FlashRTVectorEnv(n, device="cuda", graphs=graphs, simulator=lambda: WarpPush(n), max_episode_steps=2)
+        env.reset(seed=5)
+        out = []
+        for a in actions(n, steps, 7):
+            obs, r, te, tr, info = env.step_torch(a)
+            out += [obs, r, te, tr, info["final_obs"], env.engine.bufs["sim.physics"].clone()]
+        torch.cuda.synchronize()
+        runs.append(out)
+        del env
+    return all(torch.equal(x, y) for x, y in zip(*runs, strict=True))
+
+
+def bench_env(kind: str, n: int, args: argparse.Namespace) -> dict:
+    torch.cuda.empty_cache()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        t = time.perf_counter()
+        env = make_env(kind, n)
+        env.reset(seed=0)
+        env.step_torch(actions(n, 1, 9)[0])  # captures the step
+        torch.cuda.synchronize()
+        first = time.perf_counter() - t
+    row = {"first_step_s_with_capture": first}
+    cpu = kind == "mujoco_cpu"  # its physics is one CPU thread: few warm-up steps, a time budget
+    row |= sustained(env, args.steps, min(args.warmup, 2) if cpu else args.warmup, args.cpu_budget_s if cpu else None)
+    if kind == "mujoco_warp":
+        row["guarded_graph_warnings"] = [str(w.message) for w in caught if "runtime.guarded" in str(w.message)]
+        row["program_ms"] = wall_ms(env.engine.replay, args.reps)
+        row["step_graph_kernels"] = graph_kernels(env.engine.replay)
+        row["overflow_worlds"] = env.engine.sim.overflow()
+    del env
+    return row
+
+
+def warp_tick(n: int, capture: str, reps: int) -> float:
+    """Median ms of one tick of ``WarpPush.run_ticks``: recorded in a torch graph, or with its
+    physics replayed from Warp's own graph."""
+    sim = WarpPush(n, capture=capture)
+    sim.bind(BufferSet(sim.specs(), n, "cuda"))
+    sim.seed(torch.arange(n, device="cuda"))
+    sim.reset()
+    chunk = torch.zeros(n, 1, 2, device="cuda")
+    dense, sparse = torch.zeros(n, device="cuda"), torch.zeros(n, device="cuda")
+    if capture == "warp":
+        return wall_ms(lambda: sim.run_ticks(chunk, dense, sparse), reps)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            sim.run_ticks(chunk, dense, sparse)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        sim.run_ticks(chunk, dense, sparse)
+    return wall_ms(graph.replay, reps)
+
+
+def mjw_steps(n: int, frame_skip: int, ours: bool, reps: int) -> float:
+    """Median ms of MuJoCo Warp's own ``step`` x ``frame_skip`` in a Warp graph, from the scene's
+    initial state, with MuJoCo Warp's default options or this simulator's."""
+    k = warp_api()
+    mjm, _ = load_scene(PushConfig())
+    if ours:
+        mjm.opt.iterations = min(mjm.opt.iterations, ITERATIONS)
+    m = k.mjw.put_model(mjm)
+    if ours:
+        m.opt.graph_conditional = False
+        m.opt.deterministic = int(k.mjw.DeterminismType.ALL)
+    d = k.mjw.make_data(mjm, nworld=n, nconmax=32, njmax=160)
+    for _ in range(frame_skip):  # load the modules
+        k.mjw.step(m, d)
+    with k.wp.ScopedCapture() as cap:
+        for _ in range(frame_skip):
+            k.mjw.step(m, d)
+    return wall_ms(lambda: k.wp.capture_launch(cap.graph), reps)
+
+
+def testspeed(n: int, nstep: int) -> dict:
+    cmd = [sys.executable, "-m", "mujoco_warp.testspeed", str(SCENE), f"--nworld={n}", f"--nstep={nstep}"]
+    cmd.append("--format=json")
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    lines = [line for line in run.stdout.splitlines() if line.startswith("{")]
+    out: dict = {"command": " ".join(cmd[1:]), "returncode": run.returncode}
+    if lines:
+        out["metrics"] = json.loads(lines[-1])
+    else:
+        out["stderr_tail"] = run.stderr[-2000:]
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", type=int, nargs="+", default=[1, 256, 4096])
+    ap.add_argument("--simulators", nargs="+", default=list(SIMULATORS), choices=list(SIMULATORS))
+    ap.add_argument("--steps", type=int, default=120, help="timed consecutive steps (3 episode lengths)")
+    ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--cpu-budget-s", type=float, default=60.0, help="wall seconds of MuJoCo-CPU steps per size")
+    ap.add_argument("--eager-max", type=int, default=256, help="largest size checked eager == graph")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--testspeed", action="store_true", help="also run mjwarp-testspeed on the scene")
+    ap.add_argument("--nstep", type=int, default=1000, help="steps of each mjwarp-testspeed run")
+    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")) / "bench_mujoco.json")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_mujoco.py measures the GPU env: run it on a machine with a CUDA GPU")
+    k = warp_api()
+    k.wp.config.quiet = True  # Warp's per-module load lines would bury the results
+    frame_skip = PushConfig().frame_skip
+    result: dict = {
+        **provenance(),
+        "warp": k.wp.__version__,
+        "mujoco_warp": getattr(k.mjw, "__version__", "unknown"),
+        "args": vars(args) | {"out": str(args.out)},
+        "frame_skip": frame_skip,
+        "env": [],
+        "tick": [],
+    }
+
+    def save() -> None:
+        atomic_write(args.out, lambda f: f.write((json.dumps(result, indent=1) + "\n").encode()))
+
+    for n in args.sizes:
+        row: dict = {"num_envs": n}
+        if "mujoco_warp" in args.simulators and n <= args.eager_max:
+            row["mujoco_warp_eager_equals_graph"] = eager_equals_graph(n)
+        for kind in args.simulators:
+            row[kind] = bench_env(kind, n, args)
+            print(n, kind, json.dumps({k: v for k, v in row[kind].items() if k != "step_graph_kernels"}), flush=True)
+        result["env"].append(row)
+        save()
+        tick = {
+            "worlds": n,
+            "tick_torch_graph_ms": warp_tick(n, "torch", args.reps),
+            "tick_warp_graph_ms": warp_tick(n, "warp", args.reps),
+            f"mjw_step_x{frame_skip}_defaults_ms": mjw_steps(n, frame_skip, False, args.reps),
+            f"mjw_step_x{frame_skip}_ours_ms": mjw_steps(n, frame_skip, True, args.reps),
+        }
+        if args.testspeed:
+            tick["mjwarp_testspeed"] = testspeed(n, args.nstep)
+        print(n, "tick", json.dumps({k: v for k, v in tick.items() if k != "mjwarp_testspeed"}), flush=True)
+        result["tick"].append(tick)
+        save()
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
