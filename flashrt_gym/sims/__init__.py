@@ -9,6 +9,7 @@
 - :mod:`flashrt_gym.sims.render`: a batched top-down renderer of the scene's primitive geoms.
 - :mod:`flashrt_gym.sims.registration`: :func:`register_simulator`, any simulator under a
   Gymnasium id.
+- :mod:`flashrt_gym.sims.demos`: scripted-expert demonstrations of the push task.
 
 Importing this package registers ``FlashRT-MuJoCoPush`` (the CPU simulator) and
 ``FlashRT-MuJoCoWarpPush`` (MuJoCo Warp) with Gymnasium; ``mujoco``, ``warp`` and

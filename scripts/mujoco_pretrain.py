@@ -1,0 +1,99 @@
+"""Demonstrations of the MuJoCo push task, and a tiny VLA pretrained on them, through the pipeline.
+
+1. Collect (skipped when ``<out>/demos`` already holds shards): the push task's scripted expert
+   plus action noise on MuJoCo's C library, ``--episodes`` successful episodes in batches of
+   ``--slots`` (``flashrt_gym.sims.demos.collect_batch``), ``--workers`` batches at a time in
+   parallel processes, one shard per batch in the format of ``flashrt_gym.demos``.
+2. Pretrain (unless ``--collect-only``): ``scripts/pretrain_policy.py``'s ``run`` on those shards
+   with ``configs/pretrain.yaml`` and the ``key=value`` overrides given, its checkpoints evaluated
+   in closed loop on the MuJoCo push task (``flashrt_gym.sims.demos.evaluate``, seen and held-out
+   instructions, validation starts) instead of the 2-D tabletop. Writes ``<out>/pretrain/step-N/``
+   weights and ``<out>/pretrain/evals.json``.
+
+    python scripts/mujoco_pretrain.py --episodes 4000 --workers 16 --out runs/mujoco_pretrain steps=2500
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import functools
+import multiprocessing
+from concurrent.futures import ProcessPoolExecutor
+from itertools import count
+from pathlib import Path
+
+import pretrain_policy
+from omegaconf import OmegaConf
+
+from flashrt_gym.sims.demos import collect_batch, first_episodes, push_config, save_shard
+from flashrt_gym.sims.demos import evaluate as evaluate_push
+from flashrt_gym.sims.push import PushConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def collect_into(folder: Path, cfg: PushConfig, args: argparse.Namespace) -> int:
+    """Shards of ``args.episodes`` successful episodes in ``folder``: batches 0, 1, ... in order
+    (the same shards whatever ``--workers``), ``--workers`` at a time."""
+    one = functools.partial(
+        collect_batch, cfg, num_slots=args.slots, noise_std=args.noise_std, max_ticks=args.max_ticks, seed=args.seed
+    )
+    kept, batches = 0, count()
+    with contextlib.ExitStack() as stack:
+        run = map
+        if args.workers > 1:
+            context = multiprocessing.get_context("spawn")
+            run = stack.enter_context(ProcessPoolExecutor(args.workers, mp_context=context)).map
+        while kept < args.episodes:
+            wave = [next(batches) for _ in range(args.workers)]
+            for b, shard in zip(wave, run(one, wave), strict=True):
+                if kept >= args.episodes:
+                    break
+                shard = first_episodes(shard, args.episodes - kept)
+                kept += int(shard["episode"].unique().numel())
+                save_shard(shard, folder / f"shard-{b:04d}.safetensors", cfg)
+            print(f"collect: {kept} episodes", flush=True)
+    return kept
+
+
+def main(argv: list[str] | None = None) -> dict | None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--episodes", type=int, default=4000, help="successful demonstration episodes to keep")
+    ap.add_argument("--slots", type=int, default=256, help="episodes simulated together in one batch")
+    ap.add_argument("--workers", type=int, default=1, help="batches collected at once, in parallel processes")
+    ap.add_argument("--noise-std", type=float, default=0.3, help="Gaussian noise added to the expert's actions")
+    ap.add_argument("--max-ticks", type=int, default=160)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--frame-skip", type=int, default=PushConfig().frame_skip)
+    ap.add_argument("--collect-only", action="store_true")
+    ap.add_argument("--out", type=Path, default=Path("runs/mujoco_pretrain"))
+    ap.add_argument("overrides", nargs="*", help="configs/pretrain.yaml keys as key=value (demos and out are set)")
+    args = ap.parse_args(argv)
+    demos = args.out / "demos"
+    if not any(demos.glob("*.safetensors")):
+        collect_into(demos, PushConfig(frame_skip=args.frame_skip), args)
+    if args.collect_only:
+        return None
+    push = push_config(demos)
+
+    def evaluate(folder: Path, task_cfg, cfg, device: str) -> dict[str, float]:
+        """The pipeline's checkpoint evaluation, on the MuJoCo task the demos came from."""
+        return evaluate_push(
+            folder,
+            dataclasses.replace(push, table=task_cfg),
+            episodes=cfg.eval_episodes,
+            n_action_steps=cfg.n_action_steps,
+            max_episode_steps=cfg.max_episode_steps,
+            device=device,
+        )
+
+    cfg = OmegaConf.merge(OmegaConf.load(ROOT / "configs" / "pretrain.yaml"), OmegaConf.from_dotlist(args.overrides))
+    cfg.demos, cfg.out = str(demos), str(args.out / "pretrain")
+    pretrain_policy.evaluate = evaluate  # run() evaluates through this module-level name
+    return pretrain_policy.run(cfg)
+
+
+if __name__ == "__main__":
+    main()
