@@ -13,13 +13,14 @@ its iterations stop at other bits, which contacts then amplify.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import mujoco
 import numpy as np
 import torch
 
-from flashrt_gym.sims.push import PushConfig, PushTask, load_scene, model_digest, yaw_of
+from flashrt_gym.sims.push import PushConfig, PushTask, as_push_config, load_scene, model_digest, yaw_of
 from flashrt_gym.sims.render import TopDownRenderer
 from flashrt_gym.tasks.tabletop import BACKGROUND, COLORS, EE_COLOR, GOAL_COLOR, GOALS
 
@@ -56,7 +57,8 @@ class MujocoPush:
 
     Args:
         num_slots: parallel episodes.
-        cfg: the task's parameters (default: the shipped scene and the tabletop's defaults).
+        cfg: the task's parameters, or a mapping of them (default: the shipped scene and the
+            tabletop's defaults).
     """
 
     num_cameras = 1
@@ -66,10 +68,10 @@ class MujocoPush:
     physics_signature = STATE_SIG
     """What a state row holds of MuJoCo's state (an ``mjtState`` signature)."""
 
-    def __init__(self, num_slots: int, cfg: PushConfig | None = None) -> None:
+    def __init__(self, num_slots: int, cfg: PushConfig | Mapping[str, Any] | None = None) -> None:
         if isinstance(num_slots, bool) or int(num_slots) < 1:
             raise ValueError(f"num_slots must be an int >= 1, got {num_slots!r}")
-        self.cfg = cfg = cfg or PushConfig()
+        self.cfg = cfg = as_push_config(cfg)
         self.num_slots = int(num_slots)
         self.model, self.layout = load_scene(cfg)
         self.task = PushTask(cfg, self.layout)

@@ -50,7 +50,7 @@ import torch
 from flashrt.runtime import BufferSet, BufferSpec, slot
 from flashrt.runtime.views import bind_views
 from flashrt_gym.sims.mujoco_cpu import renderer_for
-from flashrt_gym.sims.push import PushConfig, PushTask, load_scene, model_digest, yaw_of
+from flashrt_gym.sims.push import PushConfig, PushTask, as_push_config, load_scene, model_digest, yaw_of
 
 STATE_SIG = int(mujoco.mjtState.mjSTATE_INTEGRATION)
 ITERATIONS = 10
@@ -198,7 +198,7 @@ class WarpPush:
 
     Args:
         num_slots: worlds (parallel episodes); the buffer set must have this many slots.
-        cfg: the task's parameters.
+        cfg: the task's parameters, or a mapping of them.
         capture: ``"torch"`` (the ticks are recorded into the caller's torch graph) or
             ``"warp"`` (the ticks' physics replays Warp's own graph; not inside a torch capture).
         iterations: constraint solver iterations at most per physics step (MuJoCo's default is
@@ -215,7 +215,7 @@ class WarpPush:
     def __init__(
         self,
         num_slots: int,
-        cfg: PushConfig | None = None,
+        cfg: PushConfig | Mapping[str, Any] | None = None,
         *,
         capture: Literal["torch", "warp"] = "torch",
         iterations: int = ITERATIONS,
@@ -230,7 +230,7 @@ class WarpPush:
         for name, value in (("iterations", iterations), ("nconmax", nconmax), ("njmax", njmax)):
             if isinstance(value, bool) or int(value) < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-        self.cfg = cfg = cfg or PushConfig()
+        self.cfg = cfg = as_push_config(cfg)
         self.num_slots = int(num_slots)
         self.capture = capture
         self.ticks_in_graph = capture == "torch"

@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import mujoco
 import numpy as np
@@ -62,6 +63,16 @@ class PushConfig:
             raise ValueError(f"scene {str(self.scene)!r} is not a file; pass the path of an MJCF scene")
         if int(self.frame_skip) < 1:
             raise ValueError(f"frame_skip must be >= 1, got {self.frame_skip}")
+
+
+def as_push_config(cfg: PushConfig | Mapping[str, Any] | None) -> PushConfig:
+    """``cfg`` as a :class:`PushConfig`: itself, the default for None, or built from a mapping
+    of its fields (what a Hydra config or ``simulator_kwargs`` of ``gymnasium.make`` holds)."""
+    if cfg is None or isinstance(cfg, PushConfig):
+        return cfg or PushConfig()
+    if not isinstance(cfg, Mapping):
+        raise TypeError(f"cfg must be a PushConfig or a mapping of its fields, got {type(cfg).__name__}")
+    return PushConfig(**cfg)
 
 
 @dataclass(frozen=True)

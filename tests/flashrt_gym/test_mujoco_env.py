@@ -18,7 +18,7 @@ from flashrt.policies import FlowPolicy, save
 from flashrt.policies.config import tiny
 from flashrt_gym import FlashRTVectorEnv
 from flashrt_gym.external import ExternalSimulator, is_external
-from flashrt_gym.sims import MujocoPush, PushConfig, register_simulator
+from flashrt_gym.sims import MujocoPush, register_simulator
 from flashrt_gym.tasks import TabletopConfig
 
 
@@ -176,9 +176,8 @@ def test_register_simulator_checks_its_arguments_and_passes_simulator_kwargs(mic
         register_simulator("FlashRT-Test-Bad", MujocoPush, task={})
     register_simulator("FlashRT-Test-Push", "flashrt_gym.sims.mujoco_cpu:MujocoPush", weights=micro, device="cpu")
     table = TabletopConfig(split="heldout")
-    e = gym.make_vec(
-        "FlashRT-Test-Push", 4, vectorization_mode="vector_entry_point", simulator_kwargs={"cfg": PushConfig(table)}
-    )
+    held_out = {"cfg": {"table": {"split": "heldout"}}}  # fields, as a Hydra config holds them
+    e = gym.make_vec("FlashRT-Test-Push", 4, vectorization_mode="vector_entry_point", simulator_kwargs=held_out)
     _, info = e.reset(seed=0)
     held = {table.combos("all").index(c) for c in table.heldout}
     assert set(info["instruction"].tolist()) <= held  # the factory got the held-out split
