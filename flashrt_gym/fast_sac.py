@@ -382,7 +382,7 @@ class FastSAC:
         meta = {**self._meta(), "stored": str(self.stored), "updates": str(self.updates)}
         meta["user"] = json.dumps(metadata or {})
         data = save(tensors, metadata=meta)
-        return atomic_write(path, lambda tmp: Path(tmp).write_bytes(data))
+        return atomic_write(path, lambda f: f.write(data))
 
     def load(self, path: str | Path, *, replay: bool = False) -> dict[str, Any]:
         """Read a file written by :meth:`save` (all-or-nothing: every name, shape and dtype is

@@ -27,7 +27,17 @@ from omegaconf import DictConfig, OmegaConf
 
 from flashrt_gym.fast_sac import FastSAC, FastSACConfig
 from flashrt_gym.splits import train_seed
-from flashrt_gym.training import ConfigError, RunLog, deadline, device_of, evaluate, evaluate_base, make_env, summarize
+from flashrt_gym.training import (
+    ConfigError,
+    RunLog,
+    deadline,
+    device_of,
+    evaluate,
+    evaluate_base,
+    make_env,
+    summarize,
+    torch_policy,
+)
 
 CHECK_EVERY = 16
 """Env steps between time-limit checks (under data parallelism, rank 0 decides and broadcasts)."""
@@ -99,7 +109,9 @@ def train_fast(cfg: DictConfig, out: Path, launch: float) -> dict[str, Any]:
             validated_at = env_steps
         if lead:
             episodes = cfg.eval.episodes if split == "validation" else cfg.eval.test_episodes
-            res = evaluate(eval_env, lambda o: sac.act(o, deterministic=True), split, episodes)
+            res = evaluate(
+                eval_env, torch_policy(lambda o: sac.act(o, deterministic=True), eval_env.device), split, episodes
+            )
             log.point(env_steps, split, res, milestone)
             meta = {"env_steps": env_steps, "seed": cfg.seed, "world_size": world}
             sac.save(ckpt / "last.safetensors", metadata=meta)
@@ -117,7 +129,7 @@ def train_fast(cfg: DictConfig, out: Path, launch: float) -> dict[str, Any]:
     stop_at = deadline(cfg, launch)
     every, test_at = cfg.eval.every, sorted(cfg.eval.test_at)
     next_eval = (env_steps // every + 1) * every
-    obs = torch.as_tensor(env.reset(seed=seed)[0], device=device)
+    obs = torch.tensor(env.reset(seed=seed)[0], device=device)  # a copy: the reset's array is read-only
     ret = torch.zeros(n, device=device)
     episodes = torch.zeros(3, device=device)  # finished, successes, return sum (since the last log)
     start, t0, rounds = env_steps, time.time(), 0

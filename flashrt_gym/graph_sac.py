@@ -136,7 +136,7 @@ class DeviceReplayBuffer(ReplayBuffer):
             ("not_done", not_done),
         ):
             dst = self._store[name][rows]
-            dst.copy_(torch.as_tensor(np.asarray(value)).reshape(dst.shape))
+            dst.copy_(torch.tensor(np.asarray(value)).reshape(dst.shape))  # a copy: env arrays are read-only
         self.pos += 1
         if self.pos == self.buffer_size:
             self.full, self.pos = True, 0

@@ -2,32 +2,28 @@
 
 ``reset(seed=s)`` gives slot ``i`` the RNG stream of seed ``s + i`` (Gymnasium's convention), and
 slot ``i``'s later episodes continue that stream. Two uses of the env therefore share no episode
-start iff their seed ranges ``[s, s + slots)`` do not overlap. This module names those ranges in
-one place:
+start iff their seed ranges ``[s, s + slots)`` do not overlap. The evaluation splits are named in
+:mod:`flashrt_gym.evaluation` (``VALIDATION_SEED``, ``TEST_SEED``); this module adds the blocks of
+the training runs, all below the validation starts:
 
-* training run ``r`` (Hydra's ``seed``) owns ``[TRAIN + r * TRAIN_STRIDE, + TRAIN_STRIDE)``; its
+* training run ``r`` (Hydra's ``seed``) owns ``[r * TRAIN_STRIDE, (r + 1) * TRAIN_STRIDE)``; its
   slots (all data-parallel ranks together) take the first ``num_envs`` of them;
 * evaluation on a split runs one episode per slot from ``SPLITS[split]`` on, at most
-  ``EVAL_SPAN`` episodes. Hyper-parameters and checkpoints are chosen on ``validation``; the
-  headline is reported on ``test``, which no choice has seen.
+  ``EVAL_SPAN`` episodes. Hyper-parameters and checkpoints are chosen on ``validation``; results
+  are reported on ``test``, which no choice has seen.
 """
 
 from __future__ import annotations
 
-VALIDATION = 1_000_000
-"""First seed of the validation starts (the starts every earlier tuning of this task used)."""
-TEST = 2_000_000
-"""First seed of the test starts: reported once, never used for a choice."""
-EVAL_SPAN = 1_000_000
-"""Most evaluation episodes of one split."""
-SPLITS = {"validation": VALIDATION, "test": TEST}
+from flashrt_gym.evaluation import TEST_SEED, VALIDATION_SEED
 
-TRAIN = 1 << 30
-"""First seed of training run 0."""
+SPLITS = {"validation": VALIDATION_SEED, "test": TEST_SEED}
+EVAL_SPAN = TEST_SEED - VALIDATION_SEED
+"""Most evaluation episodes of one split."""
 TRAIN_STRIDE = 1 << 22
 """Seeds owned by one training run: the most slots a run may use."""
-MAX_RUN_SEED = ((1 << 31) - TRAIN) // TRAIN_STRIDE - 1
-"""The largest run seed (reset seeds stay below 2**31)."""
+MAX_RUN_SEED = VALIDATION_SEED // TRAIN_STRIDE - 1
+"""The largest run seed (every training seed stays below the validation starts)."""
 
 
 def train_seed(run_seed: int, num_envs: int, rank: int = 0, world_size: int = 1) -> int:
@@ -39,7 +35,7 @@ def train_seed(run_seed: int, num_envs: int, rank: int = 0, world_size: int = 1)
         raise ValueError(f"num_envs must lie in [1, {TRAIN_STRIDE}] (the starts one run owns), got {num_envs}")
     if num_envs % world_size or not 0 <= rank < world_size:
         raise ValueError(f"num_envs ({num_envs}) must split evenly over {world_size} ranks (rank {rank})")
-    return TRAIN + run_seed * TRAIN_STRIDE + rank * (num_envs // world_size)
+    return run_seed * TRAIN_STRIDE + rank * (num_envs // world_size)
 
 
 def eval_seed(split: str, episodes: int) -> int:

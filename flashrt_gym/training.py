@@ -24,6 +24,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from hydra.utils import get_class
 from omegaconf import DictConfig, OmegaConf
@@ -33,7 +34,9 @@ from stable_baselines3.common.off_policy_algorithm import OffPolicyAlgorithm
 from stable_baselines3.common.vec_env import VecMonitor
 
 from flashrt.runtime import atomic_write
+from flashrt_gym.devices import resolve_device
 from flashrt_gym.env import FlashRTVectorEnv
+from flashrt_gym.evaluation import run_episodes
 from flashrt_gym.fast_sac import FastSAC, FastSACConfig
 from flashrt_gym.sb3 import SB3VecEnv
 from flashrt_gym.splits import eval_seed, train_seed
@@ -48,7 +51,7 @@ AUTO = {  # key: (fast learner on a GPU, SB3 learner on a GPU, any learner on th
     "eval.every": (500_000, 10_000, 1_000),
     "eval.episodes": (512, 512, 32),
     "eval.test_episodes": (1024, 1024, 32),
-    "agent.kwargs.batch_size": (8192, 256, 256),
+    "agent.kwargs.batch_size": (4096, 256, 256),
     "agent.kwargs.buffer_size": (1 << 20, 200_000, 1 << 14),
 }
 
@@ -63,12 +66,11 @@ def _require(cond: bool, key: str, msg: str) -> None:
 
 
 def device_of(cfg: DictConfig) -> str:
-    """``runtime.device`` with ``auto`` resolved (cuda when a GPU is visible)."""
-    if cfg.runtime.device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if cfg.runtime.device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("config key 'runtime.device': cuda was asked for but no GPU is visible")
-    return cfg.runtime.device
+    """``runtime.device`` with ``auto`` resolved (:func:`flashrt_gym.devices.resolve_device`)."""
+    try:
+        return resolve_device(cfg.runtime.device).type
+    except ValueError as e:
+        raise ConfigError(f"config key 'runtime.device': {e}") from e
 
 
 def agent_class(cfg: DictConfig) -> type:
@@ -175,37 +177,31 @@ class EvalResult:
     episodes: int
 
 
-@torch.no_grad()
-def evaluate(
-    env: FlashRTVectorEnv, act: Callable[[torch.Tensor], torch.Tensor], split: str, episodes: int
-) -> EvalResult:
+def evaluate(env: FlashRTVectorEnv, act: Callable[[np.ndarray], np.ndarray], split: str, episodes: int) -> EvalResult:
     """``episodes`` episodes of ``split``'s starts, one per slot of ``env`` (built with
-    ``autoreset=False``; ``episodes`` a multiple of its slots): success rate and mean return.
-    ``act(obs) -> actions`` on device tensors; finished slots stop counting."""
+    ``autoreset=False``; ``episodes`` a multiple of its slots), in batches of
+    :func:`flashrt_gym.evaluation.run_episodes`: success rate and mean return."""
     n = env.num_envs
     if episodes % n:
         raise ValueError(f"episodes ({episodes}) must be a multiple of the evaluation env's slots ({n})")
     first = eval_seed(split, episodes)
-    successes, returns = 0.0, 0.0
-    for start in range(first, first + episodes, n):
-        obs = torch.as_tensor(env.reset(seed=start)[0], device=env.device)
-        alive = torch.ones(n, dtype=torch.bool, device=env.device)
-        ret = torch.zeros(n, device=env.device)
-        success = torch.zeros(n, dtype=torch.bool, device=env.device)
-        while bool(alive.any()):
-            obs, reward, term, trunc, _ = env.step_torch(act(obs))
-            ret += reward * alive
-            success |= term & alive
-            alive &= ~(term | trunc)
-        successes += float(success.sum())
-        returns += float(ret.sum())
-    return EvalResult(successes / episodes, returns / episodes, episodes)
+    batches = [run_episodes(env, act, start) for start in range(first, first + episodes, n)]
+    return EvalResult(
+        sum(b.success for b in batches) / len(batches), sum(b.mean_return for b in batches) / len(batches), episodes
+    )
+
+
+def torch_policy(
+    act: Callable[[torch.Tensor], torch.Tensor], device: torch.device
+) -> Callable[[np.ndarray], np.ndarray]:
+    """A NumPy policy for :func:`evaluate` from one on device tensors."""
+    return lambda obs: act(torch.tensor(obs, device=device)).cpu().numpy()
 
 
 def evaluate_base(cfg: DictConfig, splits: dict[str, int], device: str | None = None) -> dict[str, EvalResult]:
     """The unsteered VLA (its own per-slot noise, no correction) on each split's episodes."""
     env = make_env(cfg, cfg.eval.episodes, autoreset=False, action_mode="residual", device=device)
-    zeros = torch.zeros(env.num_envs, *env.single_action_space.shape, device=env.device)
+    zeros = np.zeros((env.num_envs, *env.single_action_space.shape), np.float32)
     out = {split: evaluate(env, lambda _: zeros, split, episodes) for split, episodes in splits.items()}
     env.close()
     return out
@@ -253,7 +249,7 @@ class RunLog:
         tag = "eval" if split == "validation" else "test"
         self.scalars(env_steps, {f"{tag}/success": res.success, f"{tag}/return": res.mean_return})
         text = json.dumps(self.curve, indent=1)
-        atomic_write(self.out / "curve.json", lambda tmp: Path(tmp).write_text(text))
+        atomic_write(self.out / "curve.json", lambda f: f.write(text.encode()))
         print(
             f"[{env_steps} env steps, {p['wall_s']:.0f} s] {split} success {res.success:.1%} (base {base.success:.1%})"
         )
@@ -261,7 +257,7 @@ class RunLog:
 
     def finish(self, summary: dict[str, Any]) -> dict[str, Any]:
         text = json.dumps(summary, indent=2)
-        atomic_write(self.out / "summary.json", lambda tmp: Path(tmp).write_text(text))
+        atomic_write(self.out / "summary.json", lambda f: f.write(text.encode()))
         plot_curve(self.curve, self.out / "curve.png", f"{summary['agent'].rsplit('.', 1)[-1]}, seed {summary['seed']}")
         if self.tb is not None:
             self.tb.close()
@@ -407,7 +403,7 @@ def train_sb3(cfg: DictConfig, out: Path, launch: float) -> dict[str, Any]:
     log = RunLog(cfg, out, launch, base)
 
     def run(env_steps: int, split: str, milestone: int | None = None) -> None:
-        act = lambda o: torch.as_tensor(model.predict(o.cpu().numpy(), deterministic=True)[0])  # noqa: E731
+        act = lambda obs: model.predict(obs, deterministic=True)[0]  # noqa: E731
         episodes = cfg.eval.episodes if split == "validation" else cfg.eval.test_episodes
         log.point(env_steps, split, evaluate(eval_env, act, split, episodes), milestone)
 

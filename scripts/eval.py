@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import replace
 
 import hydra
-import torch
+import numpy as np
 from gymnasium.utils.save_video import save_video
 from hydra.utils import get_class
 from omegaconf import DictConfig
@@ -25,9 +25,9 @@ from flashrt_gym import FlashRTVectorEnv
 from flashrt_gym.fast_sac import FastSAC
 from flashrt_gym.fast_training import learner_config
 from flashrt_gym.splits import eval_seed
-from flashrt_gym.training import check, device_of, evaluate, is_fast, make_env
+from flashrt_gym.training import check, device_of, evaluate, is_fast, make_env, torch_policy
 
-Act = Callable[[torch.Tensor], torch.Tensor]
+Act = Callable[[np.ndarray], np.ndarray]
 
 
 def load_agent(cfg: DictConfig, checkpoint: str, env: FlashRTVectorEnv) -> Act:
@@ -37,19 +37,19 @@ def load_agent(cfg: DictConfig, checkpoint: str, env: FlashRTVectorEnv) -> Act:
         sac_cfg = replace(learner_config(cfg, 1), buffer_size=1)  # acting only: no replay ring
         sac = FastSAC(obs_dim, act_dim, 1, sac_cfg, env.device, graphs=False)
         sac.load(checkpoint)
-        return lambda obs: sac.act(obs, deterministic=True)
+        return torch_policy(lambda obs: sac.act(obs, deterministic=True), env.device)
     model = get_class(cfg.agent._target_).load(checkpoint, device=device_of(cfg))
-    return lambda obs: torch.as_tensor(model.predict(obs.cpu().numpy(), deterministic=True)[0])
+    return lambda obs: model.predict(obs, deterministic=True)[0]
 
 
 def record(cfg: DictConfig, act: Act, action_mode: str, split: str, folder: str) -> None:
     """Two episodes of ``split`` (run side by side in two slots) as videos in ``folder``."""
     env = make_env(cfg, 2, autoreset=False, action_mode=action_mode, render_mode="rgb_array")
-    obs = torch.as_tensor(env.reset(seed=eval_seed(split, 2))[0], device=env.device)
+    obs, _ = env.reset(seed=eval_seed(split, 2))
     frames: list[list] = [[f] for f in env.render()]
     alive = [True, True]
     while any(alive):
-        obs, _, term, trunc, _ = env.step_torch(act(obs))
+        obs, _, term, trunc, _ = env.step(act(obs))
         for i, frame in enumerate(env.render()):
             if alive[i]:
                 frames[i].append(frame)
@@ -65,7 +65,7 @@ def main(cfg: DictConfig) -> None:
     checkpoint, video, split = cfg.get("checkpoint"), cfg.get("video"), cfg.get("split", "validation")
     mode = cfg.env.action_mode if checkpoint else "residual"  # the base policy: its own noise, no correction
     env = make_env(cfg, cfg.eval.episodes, autoreset=False, action_mode=mode)
-    zeros = torch.zeros(env.num_envs, *env.single_action_space.shape, device=env.device)
+    zeros = np.zeros((env.num_envs, *env.single_action_space.shape), np.float32)
     act = load_agent(cfg, checkpoint, env) if checkpoint else lambda obs: zeros[: len(obs)]
     res = evaluate(env, act, split, cfg.eval.episodes)
     print(

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-from flashrt_gym.splits import SPLITS, TRAIN, TRAIN_STRIDE
+from flashrt_gym.splits import SPLITS, TRAIN_STRIDE
 from flashrt_gym.training import ConfigError, build_agent, check, is_fast, make_env, sb3_replay_path, train
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -131,12 +131,12 @@ def test_fast_learner_multirun_then_resume_without_pickle_then_eval_and_aggregat
     run("train.py", "-m", "experiment=smoke", "seed=0,1", "save_replay_buffer=true", f"hydra.sweep.dir={sweep}")
     runs = sorted(p.parent for p in sweep.rglob("summary.json"))
     summaries = [json.loads((r / "summary.json").read_text()) for r in runs]
-    assert [s["ranks"][0]["reset_seed"] for s in summaries] == [TRAIN, TRAIN + TRAIN_STRIDE]  # own starts each
-    assert all(not s <= v < s + TRAIN_STRIDE for s in (TRAIN, TRAIN + TRAIN_STRIDE) for v in SPLITS.values())
+    assert [s["ranks"][0]["reset_seed"] for s in summaries] == [0, TRAIN_STRIDE]  # own starts each
+    assert all(not s <= v < s + TRAIN_STRIDE for s in (0, TRAIN_STRIDE) for v in SPLITS.values())
     first, summary = runs[0], summaries[0]
     assert summary["env_steps"] == 16 and 0 <= summary["success"] <= 1 and summary["updates"] > 0
     assert set(summary["test_success_at"]) == {"8", "16"} and summary["test_episodes"] == 4
-    assert summary["ranks"] == [{"rank": 0, "reset_seed": TRAIN, "slots": 2, "batch_size": 8, "stored": 16}]
+    assert summary["ranks"] == [{"rank": 0, "reset_seed": 0, "slots": 2, "batch_size": 8, "stored": 16}]
     for name in ("config.yaml", "curve.json", "curve.png", "checkpoints/last.safetensors"):
         assert (first / name).is_file(), name
     assert (first / "checkpoints/replay_rank0.safetensors").is_file()
@@ -163,7 +163,7 @@ def test_two_ranks_under_torchrun_split_the_slots_seeds_and_batch(tmp_path):
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["num_envs"] == 4 and summary["env_steps"] == 24
     ranks = summary["ranks"]
-    assert [r["reset_seed"] for r in ranks] == [TRAIN, TRAIN + 2]  # [s, s + 2) and [s + 2, s + 4): disjoint
+    assert [r["reset_seed"] for r in ranks] == [0, 2]  # [s, s + 2) and [s + 2, s + 4): disjoint
     assert [r["slots"] for r in ranks] == [2, 2] and sum(r["batch_size"] for r in ranks) == 8
     assert [r["stored"] for r in ranks] == [12, 12]
 
