@@ -62,6 +62,8 @@ def aggregate(groups: dict[str, list[dict]]) -> dict[str, dict]:
                 g["test_success_at_200000"] = iqm_ci(at)
             for key in ("env_steps", "env_steps_per_s", "wall_s"):
                 g[key] = float(np.mean([s[key] for s in done]))
+            g["env_steps_per_s_summed"] = float(np.sum([s["env_steps_per_s"] for s in done]))  # runs sharing a GPU
+            g["wall_s_to_validation_90"] = [s.get("first_wall_s_validation_90") for s in done]
         out[name] = g
     return out
 

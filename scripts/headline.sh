@@ -18,14 +18,15 @@ out=${out:-multirun/headline}
 limit=${2:-450}
 extra=("${@:3}")  # more Hydra overrides for every run
 name=${NAME:-fast_sac}
+py=${PYTHON:-$(command -v python || command -v python3)}  # the interpreter that holds torch (PYTHON=... to choose)
 mkdir -p "$out"
 start=$(date +%s)
 for seed in 0 1 2; do
   run="${name}_seed$seed"
-  OMP_NUM_THREADS=4 timeout --kill-after=10 $((limit + 60)) python scripts/train.py seed=$seed \
+  OMP_NUM_THREADS=4 timeout --kill-after=10 $((limit + 60)) "$py" scripts/train.py seed=$seed \
     time_limit_s=$limit total_steps=1000000000 "${extra[@]}" "hydra.run.dir='$out/$run'" >"$out/$run.log" 2>&1 &
 done
 status=0
 for job in $(jobs -p); do wait "$job" || status=$?; done
 echo "runs finished after $(($(date +%s) - start)) s (last non-zero exit: $status)"
-python scripts/aggregate.py "$out" || echo "aggregate.py failed (is rliable installed here?); the runs' JSON is complete: run it where it is"
+"$py" scripts/aggregate.py "$out" || echo "aggregate.py failed (is rliable installed here?); the runs' JSON is complete: run it where it is"
