@@ -7,9 +7,9 @@ step. FastSAC keeps everything on the device, in the manner of FastTD3 and LeanR
 * the whole learner state (actor, twin critics, target critics, Adam moments, the entropy
   coefficient, a static replay ring) is one :class:`~flashrt.runtime.BufferSet`, so a
   checkpoint is a set of named tensors (safetensors) and nothing is ever reallocated;
-* one gradient step (sample, critic, actor and entropy losses, one backward pass, one Adam
-  step, the Polyak update) is captured once by :class:`flashrt.runtime.Graph` and replayed
-  ``updates_per_step`` times per env step; the twin critics run as one batched MLP;
+* a gradient step (sample, critic, actor and entropy losses, one backward pass, one Adam step,
+  the Polyak update) is captured by :class:`flashrt.runtime.Graph` ``updates_per_step`` times
+  over into one graph, replayed once per env step; the twin critics run as one batched MLP;
 * gradients, critic parameters and target parameters each lie in one contiguous span of the
   arena: zeroing the gradients, the Polyak update (one ``lerp_``) and the data-parallel
   all-reduce are one operation each;
@@ -322,32 +322,34 @@ class FastSAC:
         self.opt.step()
         self._target.lerp_(self._critic, self.cfg.tau)
 
-    def _local_update(self) -> None:
-        self._backward()
-        self._step()
+    def _local_updates(self) -> None:
+        """``updates_per_step`` whole gradient steps (one replay of the single-rank graph)."""
+        for _ in range(self.cfg.updates_per_step):
+            self._backward()
+            self._step()
 
     def capture(self) -> None:
         """Capture the update now rather than at the first :meth:`update` (warm-up included,
         capturing leaves the learner's state as it was)."""
         g = self.graph
         if self.world_size == 1:
-            if "step" not in g:
-                g.capture("step", self._local_update, warmup=3)
+            if "steps" not in g:
+                g.capture("steps", self._local_updates, warmup=2)
         elif "backward" not in g:
             g.capture("backward", self._backward, warmup=3)
             g.capture("apply", self._step, warmup=3)
 
     def update(self) -> None:
-        """``updates_per_step`` gradient steps, once a batch is stored. With several ranks each
-        step's gradients are averaged by one all-reduce between the two captured halves (the
-        collective itself stays outside the graphs)."""
+        """``updates_per_step`` gradient steps, once a batch is stored: one replay of a graph
+        that holds them all. With several ranks each step's gradients are averaged by one
+        all-reduce between two captured halves (the collective itself stays outside the graphs)."""
         if not self.ready:
             return
         self.capture()
-        for _ in range(self.cfg.updates_per_step):
-            if self.world_size == 1:
-                self.graph.replay("step")
-            else:
+        if self.world_size == 1:
+            self.graph.replay("steps")
+        else:
+            for _ in range(self.cfg.updates_per_step):
                 self.graph.replay("backward")
                 dist.all_reduce(self._grads)
                 self.graph.replay("apply")

@@ -101,13 +101,26 @@ def test_update_is_sac_term_for_term(gamma):
     wrong = reference_update(sac, seed=7, gamma=gamma + 0.05)  # the mutation: another discount
     torch.manual_seed(7)
     sac.update()
-    assert sac.updates == 1 and "step" in sac.graph
+    assert sac.updates == 1 and "steps" in sac.graph
     for name, ref in want.items():
         torch.testing.assert_close(sac.bufs[name], ref, rtol=1e-5, atol=1e-6, msg=name)
     assert not torch.allclose(sac.bufs["grad.critic.net.0.weight"], wrong["grad.critic.net.0.weight"])
     stats = sac.read_stats()
     assert set(stats) == {"critic_loss", "actor_loss", "alpha", "entropy", "q"} and stats["alpha"] == pytest.approx(0.5)
     assert sac.read_stats() == {}  # read and cleared
+
+
+def test_one_update_call_runs_updates_per_step_whole_steps():
+    """One replay of the unrolled graph equals that many single steps (a count short of it,
+    the mutation, does not)."""
+    arenas = []
+    for per_call, calls in ((3, 1), (1, 3), (2, 1)):
+        sac = filled(replace(CFG, updates_per_step=per_call))
+        torch.manual_seed(1)
+        for _ in range(calls):
+            sac.update()
+        arenas.append(sac.bufs.shared_arena)
+    assert torch.equal(arenas[0], arenas[1]) and not torch.equal(arenas[0], arenas[2])
 
 
 def test_replay_ring_wraps_and_samples_only_stored_rows():
@@ -127,7 +140,7 @@ def test_replay_ring_wraps_and_samples_only_stored_rows():
 def test_waits_for_a_batch_before_updating():
     sac = filled(steps=3)  # 12 transitions < batch 16
     sac.update()
-    assert sac.updates == 0 and "step" not in sac.graph
+    assert sac.updates == 0 and "steps" not in sac.graph
     sac.store(*(torch.zeros(N, d) for d in (OBS, ACT)), torch.zeros(N), torch.zeros(N, OBS), torch.ones(N))
     sac.update()
     assert sac.updates == 1
