@@ -321,13 +321,10 @@ class FlashRTVectorEnv(VectorEnv):
         outputs = self.engine.read_outputs()
         if not host:
             return outputs
-        storage = next(iter(outputs.values())).untyped_storage()
-        if self.device.type == "cpu":
-            fresh = np.frombuffer(bytes(storage), dtype=np.uint8)
-        else:
-            self._staging.untyped_storage().copy_(storage, non_blocking=True)
+        self._staging.untyped_storage().copy_(next(iter(outputs.values())).untyped_storage(), non_blocking=True)
+        if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
-            fresh = self._staging.numpy().copy()
+        fresh = self._staging.numpy().copy()  # the caller's to keep and write
         return {
             k: fresh[v.storage_offset() * v.element_size() :][: v.nbytes].view(_NUMPY[v.dtype]).reshape(v.shape)
             for k, v in outputs.items()
