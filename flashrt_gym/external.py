@@ -148,6 +148,11 @@ class Mirror:
         return [scratch(f"sim.next.{s.name[4:]}", (n, *s.shape), s.dtype) for s in self.specs()]
 
     def bind(self, bufs: BufferSet) -> Mirror:
+        slots = len(self.host.success())
+        if slots != bufs.num_slots:
+            raise ValueError(
+                f"the external simulator has {slots} slots, the env {bufs.num_slots}: make it with num_envs slots"
+            )
         self._state = bind_views(MirrorState, bufs, "sim")
         self._next = bind_views(MirrorState, bufs, "sim.next")
         return self

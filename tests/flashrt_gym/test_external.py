@@ -13,7 +13,7 @@ from tests.flashrt_gym.host_tabletop import HostTabletop
 def external(n: int, **kw) -> FlashRTVectorEnv:
     drop = kw.pop("drop", None)
     cls = kw.pop("cls", HostTabletop)
-    return FlashRTVectorEnv(n, device="cpu", simulator=lambda: cls(n, drop=drop), **kw)
+    return FlashRTVectorEnv(n, device="cpu", simulator=lambda k: cls(k, drop=drop), **kw)
 
 
 def acts(n: int, k: int, seed: int = 0) -> list[np.ndarray]:
@@ -102,3 +102,15 @@ def test_set_instruction_reaches_the_host():
     text = env.engine.instructions.texts[5]
     env.set_instruction(text, slots=[1])
     assert env.engine.mirror.host.instruction()[1] == 5 and env.engine.sim.instruction.tolist()[1] == 5
+
+
+def test_a_registered_simulator_makes_both_env_forms():
+    import gymnasium as gym
+
+    from flashrt_gym import register_simulator
+
+    register_simulator("Test-HostTabletop", HostTabletop, device="cpu", max_episode_steps=2)
+    envs = gym.make_vec("Test-HostTabletop", num_envs=2, vectorization_mode="vector_entry_point")
+    assert envs.engine.mirror is not None and envs.reset(seed=0)[0].shape == (2, 15)
+    with pytest.raises(TypeError, match="callable"):
+        register_simulator("Test-Bad", HostTabletop(2))
