@@ -44,17 +44,11 @@ from flashrt_gym import FlashRTVectorEnv
 from flashrt_gym.sims import SCENE, MujocoPush, PushConfig, WarpPush, load_scene
 from flashrt_gym.sims.mujoco_warp import ITERATIONS, warp_api
 
-SIMULATORS = {
-    "mujoco_warp": lambda n: WarpPush(n),
-    "mujoco_cpu": lambda n: MujocoPush(n),
-    "tabletop": None,
-}
+SIMULATORS = {"mujoco_warp": WarpPush, "mujoco_cpu": MujocoPush, "tabletop": None}
 
 
 def make_env(kind: str, n: int, graphs: bool = True) -> FlashRTVectorEnv:
-    factory = SIMULATORS[kind]
-    sim = None if factory is None else (lambda: factory(n))
-    return FlashRTVectorEnv(n, device="cuda", graphs=graphs, simulator=sim)
+    return FlashRTVectorEnv(n, device="cuda", graphs=graphs, simulator=SIMULATORS[kind])
 
 
 def actions(n: int, k: int, seed: int) -> list[torch.Tensor]:
@@ -100,7 +94,7 @@ def eager_equals_graph(n: int, steps: int = 5) -> bool:
     """The captured step against the eager one: every output and physics byte, through autoresets."""
     runs = []
     for graphs in (True, False):
-        env = FlashRTVectorEnv(n, device="cuda", graphs=graphs, simulator=lambda: WarpPush(n), max_episode_steps=2)
+        env = FlashRTVectorEnv(n, device="cuda", graphs=graphs, simulator=WarpPush, max_episode_steps=2)
         env.reset(seed=5)
         out = []
         for a in actions(n, steps, 7):

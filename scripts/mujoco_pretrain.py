@@ -5,7 +5,7 @@
    ``--slots`` (``flashrt_gym.sims.demos.collect_batch``), ``--workers`` batches at a time in
    parallel processes, one shard per batch in the format of ``flashrt_gym.demos``.
 2. Pretrain (unless ``--collect-only``): ``scripts/pretrain_policy.py``'s ``run`` on those shards
-   with ``configs/pretrain.yaml`` and the ``key=value`` overrides given, its checkpoints evaluated
+   with ``configs/pretrain.yaml`` (composed by Hydra) and the ``key=value`` overrides given, its checkpoints evaluated
    in closed loop on the MuJoCo push task (``flashrt_gym.sims.demos.evaluate``, seen and held-out
    instructions, validation starts) instead of the 2-D tabletop. Writes ``<out>/pretrain/step-N/``
    weights and ``<out>/pretrain/evals.json``.
@@ -25,7 +25,7 @@ from itertools import count
 from pathlib import Path
 
 import pretrain_policy
-from omegaconf import OmegaConf
+from hydra import compose, initialize_config_dir
 
 from flashrt_gym.sims.demos import collect_batch, first_episodes, push_config, save_shard
 from flashrt_gym.sims.demos import evaluate as evaluate_push
@@ -89,8 +89,10 @@ def main(argv: list[str] | None = None) -> dict | None:
             device=device,
         )
 
-    cfg = OmegaConf.merge(OmegaConf.load(ROOT / "configs" / "pretrain.yaml"), OmegaConf.from_dotlist(args.overrides))
-    cfg.demos, cfg.out = str(demos), str(args.out / "pretrain")
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+        cfg = compose(
+            config_name="pretrain", overrides=[*args.overrides, f"demos={demos}", f"out={args.out / 'pretrain'}"]
+        )
     pretrain_policy.evaluate = evaluate  # run() evaluates through this module-level name
     return pretrain_policy.run(cfg)
 

@@ -1,4 +1,4 @@
-"""Simulators on a MuJoCo scene of the tabletop push task, and the wrapper's registration.
+"""Simulators on a MuJoCo scene of the tabletop push task.
 
 - :mod:`flashrt_gym.sims.push`: the task's configuration, the scene's checked layout and the task
   logic (draws, rewards, success, observation, scripted expert) every backend shares.
@@ -7,19 +7,17 @@
 - :mod:`flashrt_gym.sims.mujoco_warp`: :class:`WarpPush`, MuJoCo Warp on a GPU, an in-graph
   simulator whose ticks are recorded into the env's step graph.
 - :mod:`flashrt_gym.sims.render`: a batched top-down renderer of the scene's primitive geoms.
-- :mod:`flashrt_gym.sims.registration`: :func:`register_simulator`, any simulator under a
-  Gymnasium id.
 - :mod:`flashrt_gym.sims.demos`: scripted-expert demonstrations of the push task.
 
 Importing this package registers ``FlashRT-MuJoCoPush`` (the CPU simulator) and
-``FlashRT-MuJoCoWarpPush`` (MuJoCo Warp) with Gymnasium; ``mujoco``, ``warp`` and
-``mujoco_warp`` are imported only when a simulator is made.
+``FlashRT-MuJoCoWarpPush`` (MuJoCo Warp) with Gymnasium (:func:`flashrt_gym.register_simulator`);
+``mujoco``, ``warp`` and ``mujoco_warp`` are imported only when a simulator is made.
 """
 
 import importlib
 from typing import Any
 
-from flashrt_gym.sims.registration import make_env, make_vector_env, register_simulator
+from flashrt_gym import register_simulator
 
 _LAZY = {
     "MujocoPush": "flashrt_gym.sims.mujoco_cpu",
@@ -37,7 +35,18 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-register_simulator("FlashRT-MuJoCoPush", "flashrt_gym.sims.mujoco_cpu:MujocoPush")
-register_simulator("FlashRT-MuJoCoWarpPush", "flashrt_gym.sims.mujoco_warp:WarpPush")
+def mujoco_push(num_envs: int, cfg: Any = None) -> Any:
+    """``FlashRT-MuJoCoPush``'s simulator: :class:`MujocoPush` of ``num_envs`` slots (``cfg``: a
+    :class:`PushConfig` or a mapping of its fields)."""
+    return __getattr__("MujocoPush")(num_envs, cfg)
 
-__all__ = ["make_env", "make_vector_env", "register_simulator", *_LAZY]
+
+def warp_push(num_envs: int, cfg: Any = None, **options: Any) -> Any:
+    """``FlashRT-MuJoCoWarpPush``'s simulator: :class:`WarpPush` of ``num_envs`` worlds."""
+    return __getattr__("WarpPush")(num_envs, cfg, **options)
+
+
+register_simulator("FlashRT-MuJoCoPush", mujoco_push)
+register_simulator("FlashRT-MuJoCoWarpPush", warp_push)
+
+__all__ = ["mujoco_push", "warp_push", *_LAZY]

@@ -18,6 +18,7 @@ tabletop evaluation.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 from collections.abc import Iterator
@@ -161,7 +162,7 @@ def evaluate(
             episodes,
             action_mode="residual",
             autoreset=False,
-            simulator=lambda c=split_cfg: MujocoPush(episodes, c),
+            simulator=functools.partial(MujocoPush, cfg=split_cfg),
             weights=weights,
             device=device,
             n_action_steps=n_action_steps,

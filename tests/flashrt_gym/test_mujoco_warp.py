@@ -4,6 +4,7 @@ MuJoCo Warp's physics) as one graph: it must equal the eager step byte for byte 
 autoresets, and capsules must restore exactly. Warp's CPU backend runs the eager tests where
 there is no GPU, with ``FLASHRT_WARP_CPU=1`` (minutes: Warp compiles its kernels first)."""
 
+import functools
 import os
 from dataclasses import replace
 
@@ -48,7 +49,7 @@ def warp_env(device: str, micro, n: int = N, graphs: bool = True, **kw) -> Flash
     """The env around MuJoCo Warp: the shipped tiny policy on CUDA, the micro one on the CPU."""
     cfg, capture = kw.pop("cfg", None), kw.pop("capture", "torch")
     weights = None if device == "cuda" else micro
-    sim = lambda: WarpPush(n, cfg, capture=capture)  # noqa: E731
+    sim = functools.partial(WarpPush, cfg=cfg, capture=capture)
     return FlashRTVectorEnv(n, device=device, graphs=graphs, weights=weights, simulator=sim, **kw)
 
 
