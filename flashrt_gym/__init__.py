@@ -45,4 +45,6 @@ gymnasium.register(
     vector_entry_point="flashrt_gym.env:FlashRTVectorEnv",
 )
 
+import flashrt_gym.sims  # noqa: E402, F401  registers the MuJoCo push task's ids (imports no mujoco until made)
+
 __all__ = ["ExternalSimulator", "FlashRTEnv", "FlashRTVectorEnv", "Simulator", "register_simulator"]
