@@ -16,6 +16,7 @@ here, into plain objects; nothing in a training loop looks at the config again.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import time
@@ -26,7 +27,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from hydra.utils import get_class
+from hydra.utils import get_class, get_method
 from omegaconf import DictConfig, OmegaConf
 from stable_baselines3.common.base_class import BaseAlgorithm
 from stable_baselines3.common.callbacks import BaseCallback, CheckpointCallback
@@ -157,9 +158,14 @@ def make_env(
     env_cfg.pop("num_envs")
     if action_mode is not None:
         env_cfg["action_mode"] = action_mode
+    task = OmegaConf.to_container(cfg.task, resolve=True)
+    if "simulator" in task:  # a simulator of its own (e.g. task=mujoco_push): its factory and config
+        factory = get_method(task.pop("simulator"))
+        env_cfg["simulator"] = functools.partial(factory, **task)
+    else:
+        env_cfg["task"] = task
     return FlashRTVectorEnv(
         num_envs,
-        task=OmegaConf.to_container(cfg.task, resolve=True),
         weights=cfg.policy.weights,
         device=device or device_of(cfg),
         graphs=cfg.runtime.graphs,

@@ -188,3 +188,10 @@ def test_launcher_and_sweeper_presets_compose_when_their_plugin_is_installed(ove
     with initialize_config_dir(config_dir=CONFIGS, version_base="1.3"):
         cfg = compose(config_name="train", overrides=[override], return_hydra_config=True)
     assert cfg.hydra.launcher or cfg.hydra.sweeper
+
+
+def test_a_task_with_a_simulator_of_its_own_builds_that_env():
+    with initialize_config_dir(version_base="1.3", config_dir=str(ROOT / "configs")):
+        cfg = compose("train", ["task=mujoco_push", "runtime=cpu", "env.num_envs=2"])
+    env = make_env(cfg, 2, autoreset=False)
+    assert env.engine.mirror is not None and env.reset(seed=0)[0].shape == (2, 15)
