@@ -31,7 +31,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from flashrt.kernels.backend import dependent_launch, sm_count, tl, triton, use_triton
+from flashrt.kernels.backend import dependent_launch, layout_problem, sm_count, tl, triton, use_triton
 
 Segment = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
 """A context segment: keys and values ``(N, g, T, d)`` and a bool mask ``(N, T)`` (None: all
@@ -270,13 +270,15 @@ def attention_triton(
     mask: torch.Tensor | None,
     context: Sequence[Segment] = (),
 ) -> torch.Tensor:
-    """The Triton kernel (called by :func:`attention` on CUDA)."""
+    """The Triton kernel (called by :func:`attention` on CUDA): takes the strides of q, of every
+    segment's keys, values and mask, and of the own ones (e.g. slot buffers' views, a mask
+    expanded from a per-slot flag); keys without a unit last stride take the reference."""
     n, h, tq, d = q.shape
     g = k.shape[1]
     if len(context) > MAX_SEGMENTS:
         context = [_concat(context)]
     sources = [*context, (k, v, mask)]
-    if d & (d - 1) or d < 16 or any(x.stride(-1) != 1 for x in (q, *(t for s in sources for t in s[:2]))):
+    if d & (d - 1) or d < 16 or any(layout_problem(x, unit=(-1,)) for x in (q, *(t for s in sources for t in s[:2]))):
         return attention_reference(q, k, v, mask, context)
     out = q.new_empty((n, tq, h, d))
     args, tokens, flags, start, token_end = [], 0, 0, 0, 0

@@ -15,7 +15,7 @@ import math
 
 import torch
 
-from flashrt.kernels.backend import tl, triton, use_triton
+from flashrt.kernels.backend import check_layout, layout_problem, tl, triton, use_triton
 
 _M32 = 0xFFFFFFFF
 
@@ -76,10 +76,11 @@ if triton is not None:
         return x ^ (x >> 16)
 
     @triton.jit
-    def _draw_normal_kernel(out, key, counter, n, half, stride, BLOCK: tl.constexpr):
+    def _draw_normal_kernel(out, key, counter, n, half, s_out, s_key, s_counter, BLOCK: tl.constexpr):
+        # key, counter and out's rows are slot buffers: strided by the arena's row, not contiguous
         s = tl.program_id(0).to(tl.int64)
-        k = tl.load(key + s)
-        c = tl.load(counter + s)
+        k = tl.load(key + s * s_key)
+        c = tl.load(counter + s * s_counter)
         stream = _mix32_tl(_mix32_tl(k ^ (k >> 32)) + c * 0x9E3779B1)
         j = tl.arange(0, BLOCK).to(tl.int64)
         live = j < half
@@ -89,32 +90,40 @@ if triton is not None:
         u2 = (b2 >> 8).to(tl.float32) * (1.0 / 16777216.0)
         r = tl.sqrt(-2.0 * tl.log(1.0 - u1))
         theta = 6.283185307179586 * u2
-        tl.store(out + s * stride + j, r * tl.cos(theta), mask=live)
-        tl.store(out + s * stride + half + j, r * tl.sin(theta), mask=live & (half + j < n))
-        tl.store(counter + s, c + 1)
+        tl.store(out + s * s_out + j, r * tl.cos(theta), mask=live)
+        tl.store(out + s * s_out + half + j, r * tl.sin(theta), mask=live & (half + j < n))
+        tl.store(counter + s * s_counter, c + 1)
 
 
 def draw_normal_triton(out: torch.Tensor, key: torch.Tensor, counter: torch.Tensor) -> None:
-    """The Triton kernel (called by :func:`draw_normal_` on CUDA): one program per slot."""
+    """The Triton kernel (called by :func:`draw_normal_` on CUDA): one program per slot. Takes
+    the strides of ``key``, ``counter`` and ``out``'s rows; ``out`` needs a unit last stride."""
+    check_layout("draw_normal_triton", "out", out, unit=(1,))
     slots, n = out.shape
     half = (n + 1) // 2
     if slots and n:
-        _draw_normal_kernel[(slots,)](out, key, counter, n, half, out.stride(0), BLOCK=triton.next_power_of_2(half))
+        _draw_normal_kernel[(slots,)](
+            out, key, counter, n, half, out.stride(0), key.stride(0), counter.stride(0),
+            BLOCK=triton.next_power_of_2(half),
+        )  # fmt: skip
 
 
 def draw_normal_(out: torch.Tensor, key: torch.Tensor, counter: torch.Tensor) -> None:
     """``out = normal(key, counter, n)`` and ``counter += 1``, in place (one kernel on CUDA).
 
     Args:
-        out: ``(slots, n)`` float32 with unit last stride (e.g. a slot buffer's view).
-        key, counter: ``(slots,)`` int64 (the counter is bumped).
+        out: ``(slots, n)`` float32, any strides (e.g. a slot buffer's view; a unit last
+            stride takes the kernel, others the reference).
+        key, counter: ``(slots,)`` int64, any strides (the counter is bumped).
     """
     if out.dim() != 2 or out.dtype != torch.float32 or key.shape != out.shape[:1] or counter.shape != key.shape:
         raise ValueError(
             f"draw_normal_: out (slots, n) float32 with (slots,) key and counter; got {tuple(out.shape)} "
             f"{out.dtype}, {tuple(key.shape)}, {tuple(counter.shape)}"
         )
-    if use_triton(out, key, counter) and out.stride(1) == 1:
+    if key.dtype != torch.int64 or counter.dtype != torch.int64:
+        raise ValueError(f"draw_normal_: key and counter must be int64, got {key.dtype} and {counter.dtype}")
+    if use_triton(out, key, counter) and layout_problem(out, unit=(1,)) is None:
         draw_normal_triton(out, key, counter)
     else:
         draw_normal_reference(out, key, counter)

@@ -53,8 +53,9 @@ struct Params {
   const bf16* n2;
   const bf16* wgu;  // (2*MLP, E), gate rows first
   const bf16* wd;   // (E, MLP)
-  const long long* pos0;
-  const float* inv_freq;  // (D/2,)
+  const long long* pos0;  // (N,), element stride s_pos0 (e.g. a slot buffer's view)
+  const float* inv_freq;  // (D/2,) contiguous
+  long long s_pos0;
   Segment seg[3];
   int nseg;
   float eps1, eps2, scale;  // scale: log2(e) / sqrt(D)
@@ -305,7 +306,7 @@ __global__ void __launch_bounds__(THREADS, 1) expert_layer_kernel(const Params p
   uint32_t kf[2][4][2];
   bool kv_ok[2][2];
   {
-    const long long pos0 = p.pos0[n];  // rotary table: cos, sin of each token's angles, rounded
+    const long long pos0 = p.pos0[n * p.s_pos0];  // rotary table: cos, sin of each token's angles, rounded
     for (int i = tid; i < T * (D / 2); i += THREADS) {
       float ang = (float)(pos0 + i / (D / 2)) * p.inv_freq[i % (D / 2)];
       rot[i] = rnd(cosf(ang));
