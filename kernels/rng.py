@@ -30,6 +30,36 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
+def slot_key(seed: torch.Tensor) -> torch.Tensor:
+    """The stream key of a slot seeded with ``seed`` (int64, any shape): ``seed * 2654435761 + 1``.
+
+    The multiplier is odd, so the map is a bijection of int64 (two's-complement wrap-around, as
+    torch's int64 arithmetic gives on the CPU and the GPU): distinct seeds give distinct keys.
+    :func:`random_bits` hashes a key to a 32-bit stream, so two seeds share a stream with the
+    odds of a 32-bit collision (about one pair in 2**32). Elementwise torch, so capturable.
+    """
+    return _int64("slot_key", "seed", seed) * 2654435761 + 1
+
+
+def reseed(key: torch.Tensor, salt: torch.Tensor) -> torch.Tensor:
+    """A new key from ``key`` and a per-destination ``salt`` (int64, broadcastable):
+    ``key * 6364136223846793005 + salt + 1`` (Knuth's MMIX LCG step, salted).
+
+    For a fork with a reseed: the forked slots share the source's key, and each destination's
+    own salt (e.g. its slot index) gives it a stream of its own; for a fixed key, distinct salts
+    give distinct keys. Elementwise torch with int64 wrap-around, so capturable and the same on
+    the CPU and the GPU.
+    """
+    return _int64("reseed", "key", key) * 6364136223846793005 + _int64("reseed", "salt", salt) + 1
+
+
+def _int64(fn: str, name: str, t: torch.Tensor) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor) or t.dtype != torch.int64:
+        got = t.dtype if isinstance(t, torch.Tensor) else type(t).__name__
+        raise ValueError(f"{fn}: {name} must be an int64 tensor, got {got}")
+    return t
+
+
 def random_bits(key: torch.Tensor, counter: torch.Tensor, n: int) -> torch.Tensor:
     """``(slots, n)`` int64 values in [0, 2**32), one independent stream per (key, counter).
 
