@@ -35,10 +35,10 @@ MAX_CONTEXT = 152
 """The shapes the kernel is compiled for (``tiny``'s expert: one key/value head), and the most
 context keys it takes (10 chunks of 16 keys with the 8 own keys)."""
 MAX_SLOTS = 8
-"""Most slots a call takes it for (one cluster of 8 CTAs a slot). At kernel version 0.9.0 on an
-H200 it beats the Triton layers up to 8 slots in a chain of layers (8.1 against 13.1-14.8 us a
-layer at 1-4 slots, 10.5 against 15.2 at 8); at 16 slots (128 CTAs) the weight loads no longer
-overlap the kernel ahead (19.5 against 15.9), so the Triton layers run there (docs/PERFORMANCE.md)."""
+"""Most slots a call takes it for (one cluster of 8 CTAs a slot). Up to 8 slots it beats the
+Triton layers in a chain of layers; at 16 (128 CTAs) the weight loads no longer overlap the
+kernel ahead, so the Triton layers run there (measured: docs/PERFORMANCE.md, "Kernels: the
+measurements behind their design")."""
 _SHAPES = (
     (WIDTH,),
     ((HEADS + 2) * HEAD_DIM, WIDTH),

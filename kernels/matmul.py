@@ -1,11 +1,11 @@
 """Linear layers over few rows: ``a @ W^T (+ bias)``, or accumulated onto a residual in place.
 
 At one slot a projection is a few rows by a few hundred columns, and its cost is the launch and
-the weight's trip from L2, not arithmetic: cuBLAS takes ~2.6 µs a call on an H200, a Triton
-program per column block ~1.9 µs. Inside a captured graph the Triton kernel also starts before
-the kernel ahead of it finishes (programmatic dependent launch, :mod:`flashrt.kernels.backend`): it loads
-its weight block first and waits for its input after, which cuBLAS cannot (a chain of 200 such
-calls: 1.1 µs a call, against 2.6 for cuBLAS). So the action expert's output and down
+the weight's trip from L2, not arithmetic: there a Triton program per column block is faster
+than cuBLAS. Inside a captured graph the Triton kernel also starts before the kernel ahead of it
+finishes (programmatic dependent launch, :mod:`flashrt.kernels.backend`): it loads its weight
+block first and waits for its input after, which cuBLAS cannot (measurements: docs/PERFORMANCE.md,
+"Kernels: the measurements behind their design"). So the action expert's output and down
 projections, its time MLP's output layer and the vision tower's projections at one slot run
 here, and the policy step at one slot is all Triton but for a few elementwise ops.
 

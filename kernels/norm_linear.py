@@ -34,9 +34,8 @@ FUSED_MAX_WIDTH = 256
 GEGLU_MAX_ROWS = 256
 QKV_ROPE_MAX_ROWS = 2048
 """Most rows (tokens) a call takes the fused kernel for. Below these the calls are latency-bound
-and one launch beats three; above them the unfused chain's cuBLAS matmul is faster (H200,
-``tiny``: at one slot the fused GeGLU call takes 2.7 µs against 4.8, at 2 048 rows 12.4 against
-10.1; the q/k/v call 3.5 against 4.9 at one slot, 18.4 against 13.3 at 8 192 rows)."""
+and one launch beats three; above them the unfused chain's cuBLAS matmul is faster (measured:
+docs/PERFORMANCE.md, "Kernels: the measurements behind their design")."""
 
 
 def _check(x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor, name: str) -> None:
@@ -114,7 +113,7 @@ if triton is not None:
         a = tl.load(x + row[:, None] * width + ks[None, :], mask=live[:, None] & kin[None, :], other=0.0)
         af = a.to(tl.float32)
         r = 1.0 / tl.sqrt(tl.sum(af * af, axis=1) / width + eps)
-        if not GDC:  # programs in waves: each load where it is used (b256: 440 µs a step; weights first, 610)
+        if not GDC:  # programs in waves: each load where it is used (faster than weights first there)
             nw = tl.load(norm_w + ks * s_nw, mask=kin, other=0.0).to(tl.float32)
         y = ((af * r[:, None]).to(a.dtype).to(tl.float32) * nw[None, :]).to(a.dtype)  # (BM, BK) normed rows
         if not GDC:

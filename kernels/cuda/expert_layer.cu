@@ -1,8 +1,8 @@
 // One action-expert decoder layer at few slots as ONE kernel: a cluster of 8 CTAs per slot.
 //
 // A `tiny` expert layer at one slot is 8 tokens of width 192: five Triton kernels (norm + q/k/v
-// + rotary, attention, o projection, norm + gate/up + GeGLU, down projection), ~13 us on an
-// H200, each kernel's cost its chain of dependent steps after waiting for the one ahead. Here
+// + rotary, attention, o projection, norm + gate/up + GeGLU, down projection), each kernel's cost
+// its chain of dependent steps after waiting for the one ahead (docs/PERFORMANCE.md). Here
 // the eight CTAs of a cluster load their slices of the layer's weights into shared memory
 // before that wait (the weights are constants of the graph; the next layer's CTAs do so while
 // this one runs), then push activations into each other's distributed shared memory, each
