@@ -27,24 +27,23 @@ def arena(specs: Sequence[BufferSpec], slots: int, device: str, seed: int = 0) -
     for i, spec in enumerate(specs):
         guarded += [spec, slot(f"guard.{i}", (5,), torch.int32)]
     bufs = BufferSet(guarded, slots, device)
-    g = torch.Generator(device=device).manual_seed(seed)
-    raw = torch.randint(0, 64, bufs.slot_arena.shape, device=device, generator=g, dtype=torch.uint8)
-    bufs.slot_arena.copy_(raw)
+    g = torch.Generator().manual_seed(seed)  # drawn on the CPU: the same bytes on every device
+    bufs.slot_arena.copy_(torch.randint(0, 64, bufs.slot_arena.shape, generator=g, dtype=torch.uint8))
     return bufs
 
 
 def fill(bufs: BufferSet, seed: int = 1, **kinds: float) -> None:
     """Random values for the named buffers: float buffers ``scale * randn`` (``kinds[name]`` the
     scale), bool buffers true with probability ``kinds[name]``, int64 buffers in [0, kinds[name])."""
-    g = torch.Generator(device=bufs.device).manual_seed(seed)
+    g = torch.Generator().manual_seed(seed)
     for name, k in kinds.items():
         t = bufs[name]
         if t.dtype == torch.bool:
-            t.copy_(torch.rand(t.shape, device=bufs.device, generator=g) < k)
+            t.copy_(torch.rand(t.shape, generator=g) < k)
         elif t.dtype.is_floating_point:
-            t.copy_(k * torch.randn(t.shape, device=bufs.device, generator=g))
+            t.copy_(k * torch.randn(t.shape, generator=g))
         else:
-            t.copy_(torch.randint(0, int(k), t.shape, device=bufs.device, generator=g))
+            t.copy_(torch.randint(0, int(k), t.shape, generator=g))
 
 
 def misread(view: torch.Tensor) -> torch.Tensor:

@@ -137,7 +137,9 @@ def test_slot_copies_take_masks_indexes_and_rows_of_any_stride(device, words):
     live = arena([slot("sim.state", (37,)), slot("policy.rng_key", (), torch.int64)], 4, device, seed=1)
     control = control_arena(device)
     row = live.row_bytes
-    wide = torch.randint(0, 255, (6, row + 64), device=device, dtype=torch.uint8)
+    wide = torch.randint(0, 255, (6, row + 64), generator=torch.Generator().manual_seed(2), dtype=torch.uint8).to(
+        device
+    )
     dst, src = live.slot_arena, wide[:, 32 : 32 + row]  # source rows strided by row + 64 bytes
     if words:
         dst, src = dst.view(torch.int64), wide.view(torch.int64)[:, 4 : 4 + row // 8]
@@ -177,8 +179,8 @@ def test_attention_reads_context_segments_in_place(device):
     for dtype in dtypes(device):
         cfg, bufs = SMALL, policy_arena(SMALL, SLOTS, device, dtype)
         context = layer_segments(pipeline_prefix(cfg, bufs), 1)
-        g = torch.Generator(device=device).manual_seed(7)
-        q, k, v = (torch.randn(SLOTS, n, 4, 32, device=device, generator=g).to(dtype) for n in (2, 1, 1))
+        g = torch.Generator().manual_seed(7)
+        q, k, v = (torch.randn(SLOTS, n, 4, 32, generator=g).to(device).to(dtype) for n in (2, 1, 1))
         before = bufs.slot_arena.clone()
         got = attention_triton(q, k, v, None, context)
         f = lambda x: x.float()  # noqa: E731
@@ -192,13 +194,11 @@ def test_attention_reads_context_segments_in_place(device):
 
 def rotary_inputs(cfg: PolicyConfig, device: str, dtype: torch.dtype):
     """A frame's residual rows, RMSNorm weight (strided), fused q/k/v weight and frequencies (strided)."""
-    g = torch.Generator(device=device).manual_seed(8)
+    g = torch.Generator().manual_seed(8)
     t, w = cfg.frame_tokens, cfg.width
-    x = (2 * torch.randn(SLOTS, t, w, device=device, generator=g)).to(dtype)
-    nw = strided((1 + 0.1 * torch.randn(w, device=device, generator=g)).to(dtype))
-    weight = (torch.randn((cfg.heads + 2 * cfg.kv_heads) * cfg.head_dim, w, device=device, generator=g) / w**0.5).to(
-        dtype
-    )
+    x = (2 * torch.randn(SLOTS, t, w, generator=g).to(device)).to(dtype)
+    nw = strided((1 + 0.1 * torch.randn(w, generator=g).to(device)).to(dtype))
+    weight = (torch.randn((cfg.heads + 2 * cfg.kv_heads) * cfg.head_dim, w, generator=g).to(device) / w**0.5).to(dtype)
     inv = strided(10000.0 ** (-torch.arange(0, cfg.head_dim, 2, dtype=torch.float32, device=device) / cfg.head_dim))
     return x, nw, weight, inv
 
@@ -256,7 +256,7 @@ def test_row_kernels_read_slot_buffers_and_strided_parameters(device, monkeypatc
     for dtype in dtypes(device):
         bufs = activation_arena(device, dtype)
         before = bufs.slot_arena.clone()
-        g = torch.Generator(device=device).manual_seed(9)
+        g = torch.Generator().manual_seed(9)
         for got, ref, src, param in row_kernel_cases(bufs, dtype, g):
             close(got, ref(src, param), dtype, scale=2)
             rejects(got, ref(misread(src), param), dtype, scale=2)  # rows read as if contiguous
@@ -267,7 +267,7 @@ def test_row_kernels_read_slot_buffers_and_strided_parameters(device, monkeypatc
 
         # accumulated in place onto a slot buffer: no flat view covers it, so torch's addmm runs
         x, gate_up = bufs["x"], bufs["gate_up"]
-        down = (torch.randn(64, 96, device=device, generator=g) / 96**0.5).to(dtype)
+        down = (torch.randn(64, 96, generator=g).to(device) / 96**0.5).to(dtype)
         want = add_matmul_reference(x.clone(), gate_up, down)
         got = add_matmul(x, gate_up, down)
         assert got.data_ptr() == x.data_ptr()
@@ -280,7 +280,7 @@ def row_kernel_cases(bufs: BufferSet, dtype: torch.dtype, g: torch.Generator) ->
     x, delta, gate_up, device = bufs["x"], bufs["delta"], bufs["gate_up"], bufs.device
 
     def rnd(*shape: int, scale: float = 1.0) -> torch.Tensor:
-        return (scale * torch.randn(*shape, device=device, generator=g)).to(dtype)
+        return (scale * torch.randn(*shape, generator=g).to(device)).to(dtype)
 
     w, b = strided(1 + rnd(64, scale=0.1)), strided(rnd(64))
     proj, lin = rnd(2 * 48, 64, scale=64**-0.5), rnd(64, 64, scale=64**-0.5)
@@ -298,10 +298,10 @@ def check_flow_step(bufs: BufferSet, dtype: torch.dtype, g: torch.Generator) -> 
     """The folded time embedding and Euler step over the actions slot buffer (float32) and the
     expert's hidden state, parameters strided; and a dense but permuted x."""
     actions, hidden, device = bufs["actions"], bufs["hidden"], bufs.device
-    wx, bias = torch.randn(48, 2, device=device, generator=g), strided(torch.randn(48, device=device, generator=g))
-    w_out = 0.05 * torch.randn(2, 48, device=device, generator=g)
-    b_out = strided(torch.randn(2, device=device, generator=g))
-    nw = strided((1 + 0.1 * torch.randn(48, device=device, generator=g)).to(dtype))
+    wx, bias = torch.randn(48, 2, generator=g).to(device), strided(torch.randn(48, generator=g).to(device))
+    w_out = 0.05 * torch.randn(2, 48, generator=g).to(device)
+    b_out = strided(torch.randn(2, generator=g).to(device))
+    nw = strided((1 + 0.1 * torch.randn(48, generator=g).to(device)).to(dtype))
     got = time_embed_triton(actions, wx, bias, dtype)
     close(got, time_embed_reference(actions, wx, bias, dtype), dtype)
     rejects(got, time_embed_reference(misread(actions), wx, bias, dtype), dtype)
