@@ -15,7 +15,7 @@ module                           kernels
 ``kernels.matmul``               few-row projection: plain, + GELU, or accumulated onto the residual in place
 ``kernels.grouped_attention``    grouped-query attention over context segments and own keys, read in place
 ``kernels.flow``                 folded time embedding, and final norm + output projection + Euler update
-``kernels.rng``                  per-slot counter-based Gaussian noise (draw + counter bump)
+``kernels.rng``                  per-slot counter-based Gaussian noise (draw + counter bump); slot keys, reseeds
 ``kernels.slot_copy``            masked row copy / gather (restore, autoreset) and row scatter (fork)
 ``kernels.expert_layer``         the expert's decoder layer at up to 8 slots (CUDA C++, a cluster of 8 CTAs a slot)
 ===============================  ========================================================================
@@ -32,7 +32,7 @@ from flashrt.kernels.rng import draw_normal_
 from flashrt.kernels.rotary import qkv_rope
 from flashrt.kernels.slot_copy import masked_copy_rows, masked_copy_rows_reference, scatter_rows
 
-__version__ = "0.10.0"  # bump when a kernel's numerics change: capsules name the version they were made with
+__version__ = "0.11.0"  # bump when a kernel's numerics change: capsules name the version they were made with
 
 __all__ = [
     "add_layer_norm",

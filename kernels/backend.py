@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -67,6 +67,49 @@ def reference_only() -> Iterator[None]:
         yield
     finally:
         _forced_reference = before
+
+
+def layout_problem(
+    t: torch.Tensor, *, contiguous: bool = False, unit: Sequence[int] = (), align: int = 0
+) -> str | None:
+    """What keeps a kernel from reading ``t`` as it indexes it, or None when nothing does.
+
+    Buffers of a :class:`flashrt.runtime.BufferSet` slot arena are strided along the slot
+    dimension (the stride is the arena's row, not the buffer), so a kernel either takes a
+    tensor's strides or states here what it needs:
+
+    Args:
+        t: the tensor a kernel would read or write.
+        contiguous: the kernel indexes ``t`` as one row-major block (its weights, say).
+        unit: dimensions the kernel steps through one element at a time (stride 1, or size 1).
+        align: bytes that ``t``'s address and every stride of a dimension of size > 1 outside
+            ``unit`` must be a multiple of (vector loads).
+    """
+    if contiguous and not t.is_contiguous():
+        return "is not contiguous (row-major)"
+    for d in unit:
+        if t.shape[d] > 1 and t.stride(d) != 1:
+            return f"has stride {t.stride(d)} in dimension {d % t.dim()}, where the kernel steps by one element"
+    if align:
+        units = {d % t.dim() for d in unit}
+        strides = [s for d, (n, s) in enumerate(zip(t.shape, t.stride(), strict=True)) if n > 1 and d not in units]
+        if t.data_ptr() % align or any(s * t.element_size() % align for s in strides):
+            return f"is not aligned to {align} bytes (its address and its strides in bytes must be multiples)"
+    return None
+
+
+def check_layout(
+    fn: str, name: str, t: torch.Tensor, *, contiguous: bool = False, unit: Sequence[int] = (), align: int = 0
+) -> None:
+    """Refuse a view the kernel of ``fn`` would misread: raise ``ValueError`` naming the
+    argument ``name``, its shape and strides, and what the kernel needs
+    (:func:`layout_problem` lists the requirements). Never silently wrong."""
+    problem = layout_problem(t, contiguous=contiguous, unit=unit, align=align)
+    if problem is not None:
+        raise ValueError(
+            f"{fn}: {name} of shape {tuple(t.shape)} and strides {tuple(t.stride())} {problem}; "
+            "pass it with that layout (e.g. .contiguous())"
+        )
 
 
 @functools.cache

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from flashrt.kernels import nvcc
-from flashrt.kernels.backend import dependent_launch, grid_dependency, use_triton
+from flashrt.kernels.backend import check_layout, dependent_launch, grid_dependency, layout_problem, use_triton
 from flashrt.kernels.rotary import check_positions
 
 SOURCE = Path(__file__).with_name("cuda") / "expert_layer.cu"
@@ -35,10 +35,10 @@ MAX_CONTEXT = 152
 """The shapes the kernel is compiled for (``tiny``'s expert: one key/value head), and the most
 context keys it takes (10 chunks of 16 keys with the 8 own keys)."""
 MAX_SLOTS = 8
-"""Most slots a call takes it for (one cluster of 8 CTAs a slot). At kernel version 0.9.0 on an
-H200 it beats the Triton layers up to 8 slots in a chain of layers (8.1 against 13.1-14.8 us a
-layer at 1-4 slots, 10.5 against 15.2 at 8); at 16 slots (128 CTAs) the weight loads no longer
-overlap the kernel ahead (19.5 against 15.9), so the Triton layers run there (docs/PERFORMANCE.md)."""
+"""Most slots a call takes it for (one cluster of 8 CTAs a slot). Up to 8 slots it beats the
+Triton layers in a chain of layers; at 16 (128 CTAs) the weight loads no longer overlap the
+kernel ahead, so the Triton layers run there (measured: docs/PERFORMANCE.md, "Kernels: the
+measurements behind their design")."""
 _SHAPES = (
     (WIDTH,),
     ((HEADS + 2) * HEAD_DIM, WIDTH),
@@ -58,8 +58,8 @@ class _Segment(ctypes.Structure):
 class _Params(ctypes.Structure):
     _fields_ = [
         (name, ctypes.c_void_p) for name in ("x", "n1", "wqkv", "wo", "n2", "wgu", "wd", "pos0", "inv_freq")
-    ] + [("seg", _Segment * 3), ("nseg", ctypes.c_int), ("eps1", ctypes.c_float), ("eps2", ctypes.c_float),
-         ("scale", ctypes.c_float)]  # fmt: skip
+    ] + [("s_pos0", ctypes.c_longlong), ("seg", _Segment * 3), ("nseg", ctypes.c_int), ("eps1", ctypes.c_float),
+         ("eps2", ctypes.c_float), ("scale", ctypes.c_float)]  # fmt: skip
 
 
 @functools.cache
@@ -105,14 +105,19 @@ def fits(x: torch.Tensor, context: Sequence[tuple[torch.Tensor, torch.Tensor, to
     if not 1 <= len(context) <= 3 or sum(k.shape[2] for k, _, _ in context) > MAX_CONTEXT:
         return False
     for k, v, m in context:
-        if k.shape[1] != 1 or k.shape[3] != HEAD_DIM or v.shape != k.shape or k.dtype != x.dtype:
+        if k.dim() != 4 or k.shape[:2] != (x.shape[0], 1) or k.shape[3] != HEAD_DIM or v.shape != k.shape:
             return False
-        rows = (*k.stride()[:3], *v.stride()[:3])
-        if k.stride(-1) != 1 or v.stride(-1) != 1 or any(s % 8 for s in rows) or k.data_ptr() % 16 or v.data_ptr() % 16:
+        if k.dtype != x.dtype or v.dtype != x.dtype or any(_kv_layout(t) for t in (k, v)):
             return False
-        if m is not None and m.dtype != torch.bool:
+        if m is not None and (m.dtype != torch.bool or m.shape != (k.shape[0], k.shape[2])):
             return False
     return runs_for(*weights)
+
+
+def _kv_layout(t: torch.Tensor) -> str | None:
+    """What keeps the kernel from reading keys/values ``t`` (N, 1, T, 64): it takes their slot and
+    token strides, and loads rows of 16 bytes."""
+    return layout_problem(t, unit=(-1,), align=16)
 
 
 def expert_layer(
@@ -128,16 +133,18 @@ def expert_layer(
     its own tokens at positions ``pos0 + t`` ((N,) int64); as ``policies.model.DecoderLayer.forward``
     computes it, with ``inv_freq`` the (32,) float32 rotary frequencies. ``weights``: norm1, q/k/v, o,
     norm2, gate/up, down (:func:`runs_for`); ``eps``: the two norms' epsilons. Call it where
-    :func:`fits` holds."""
+    :func:`fits` holds. Takes the strides of ``pos0`` and of the context's keys, values and
+    masks (e.g. slot buffers' views); ``x``, ``inv_freq`` and the weights must be contiguous."""
     check_positions(pos0, x.shape[0], "expert_layer")
     if inv_freq.shape != (HEAD_DIM // 2,) or inv_freq.dtype != torch.float32 or inv_freq.device != x.device:
         raise ValueError(
             f"expert_layer: inv_freq must be ({HEAD_DIM // 2},) float32 on {x.device} (the kernel reads float32), "
             f"got {tuple(inv_freq.shape)} {inv_freq.dtype} on {inv_freq.device}; FlowPolicy keeps its inv_freq float32"
         )
+    _check_layouts(x, inv_freq, context, weights)
     lib = _library()
     p = _Params()
-    p.x, p.pos0, p.inv_freq = x.data_ptr(), pos0.data_ptr(), inv_freq.data_ptr()
+    p.x, p.pos0, p.inv_freq, p.s_pos0 = x.data_ptr(), pos0.data_ptr(), inv_freq.data_ptr(), pos0.stride(0)
     p.n1, p.wqkv, p.wo, p.n2, p.wgu, p.wd = (w.data_ptr() for w in weights)
     for i, (k, v, m) in enumerate(context):
         s = p.seg[i]
@@ -153,3 +160,32 @@ def expert_layer(
     if err:
         raise RuntimeError(f"expert_layer: the CUDA launch failed with cudaError {err}")
     return x
+
+
+def _check_layouts(
+    x: torch.Tensor,
+    inv_freq: torch.Tensor,
+    context: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]],
+    weights: Sequence[torch.Tensor],
+) -> None:
+    """Refuse what the kernel would misread: it indexes x, inv_freq and the weights as
+    contiguous blocks, and each segment by its slot and token strides (one key/value head);
+    pos0 it reads at any stride."""
+    check_layout("expert_layer", "x", x, contiguous=True)
+    check_layout("expert_layer", "inv_freq", inv_freq, contiguous=True)
+    for name, w in zip(("norm1", "qkv", "o", "norm2", "gate_up", "down"), weights, strict=True):
+        check_layout("expert_layer", f"the {name} weight", w, contiguous=True)
+    if not 1 <= len(context) <= 3:
+        raise ValueError(f"expert_layer: 1 to 3 context segments, got {len(context)}")
+    for i, (k, v, m) in enumerate(context):
+        for what, t in (("keys", k), ("values", v)):
+            if t.shape != (x.shape[0], 1, k.shape[2], HEAD_DIM):
+                raise ValueError(
+                    f"expert_layer: context segment {i}'s {what} must be ({x.shape[0]}, 1, T, {HEAD_DIM}), "
+                    f"got {tuple(t.shape)}"
+                )
+            check_layout("expert_layer", f"context segment {i}'s {what}", t, unit=(-1,), align=16)
+        if m is not None and m.shape != (k.shape[0], k.shape[2]):
+            raise ValueError(
+                f"expert_layer: context segment {i}'s mask must be {(k.shape[0], k.shape[2])}, got {tuple(m.shape)}"
+            )

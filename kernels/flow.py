@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from flashrt.kernels.backend import dependent_launch, tl, triton, use_triton
+from flashrt.kernels.backend import check_layout, dependent_launch, tl, triton, use_triton
 from flashrt.kernels.norm import add_rms_norm_reference
 
 
@@ -38,13 +38,13 @@ if triton is not None:
 
     @triton.jit
     def _time_embed_kernel(
-        x, wx, bias, out, E, A: tl.constexpr, A_PAD: tl.constexpr, BE: tl.constexpr, GDC: tl.constexpr
+        x, wx, bias, out, E, s_bias, A: tl.constexpr, A_PAD: tl.constexpr, BE: tl.constexpr, GDC: tl.constexpr
     ):
         row = tl.program_id(0).to(tl.int64)
         e = tl.program_id(1) * BE + tl.arange(0, BE)
         a = tl.arange(0, A_PAD)
         w = tl.load(wx + e[:, None] * A + a[None, :], mask=(e[:, None] < E) & (a[None, :] < A), other=0.0)
-        b = tl.load(bias + e, mask=e < E, other=0.0)
+        b = tl.load(bias + e * s_bias, mask=e < E, other=0.0)
         inputs_ready(GDC)  # the folded weights are constants of the graph: loaded before the wait
         xe = tl.load(x + row * A + a, mask=a < A, other=0.0)
         z = tl.sum(w * xe[None, :], axis=1) + b
@@ -52,7 +52,7 @@ if triton is not None:
 
     @triton.jit
     def _euler_step_kernel(
-        x, h, norm_w, w_out, b_out, x_out, E, eps,
+        x, h, norm_w, w_out, b_out, x_out, E, eps, s_nw, s_b,
         A: tl.constexpr, A_PAD: tl.constexpr, BE: tl.constexpr, GDC: tl.constexpr,
     ):  # fmt: skip
         inputs_ready(GDC)
@@ -68,16 +68,19 @@ if triton is not None:
         for start in range(0, E, BE):
             e = start + tl.arange(0, BE)
             hv = tl.load(h + row * E + e, mask=e < E, other=0.0)
-            nw = tl.load(norm_w + e, mask=e < E, other=0.0).to(tl.float32)
+            nw = tl.load(norm_w + e * s_nw, mask=e < E, other=0.0).to(tl.float32)
             y = ((hv.to(tl.float32) * r).to(hv.dtype).to(tl.float32) * nw).to(hv.dtype).to(tl.float32)
             w = tl.load(w_out + a[:, None] * E + e[None, :], mask=(a[:, None] < A) & (e[None, :] < E), other=0.0)
             acc += tl.sum(w * y[None, :], axis=1)
         xa = tl.load(x + row * A + a, mask=a < A, other=0.0)
-        tl.store(x_out + row * A + a, xa + acc + tl.load(b_out + a, mask=a < A, other=0.0), mask=a < A)
+        tl.store(x_out + row * A + a, xa + acc + tl.load(b_out + a * s_b, mask=a < A, other=0.0), mask=a < A)
 
 
 def time_embed_triton(x: torch.Tensor, wx: torch.Tensor, bias: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The Triton kernel (called by :func:`time_embed` on CUDA)."""
+    """The Triton kernel (called by :func:`time_embed` on CUDA): x any strides (read through a
+    contiguous copy), bias any stride, wx contiguous (loaded before the wait of a dependent
+    launch, so never a copy made just ahead)."""
+    check_layout("time_embed_triton", "wx", wx, contiguous=True)
     e, a = wx.shape
     out = torch.empty((*x.shape[:-1], e), dtype=dtype, device=x.device)
     rows = x.numel() // a
@@ -85,7 +88,7 @@ def time_embed_triton(x: torch.Tensor, wx: torch.Tensor, bias: torch.Tensor, dty
     grid = (rows, triton.cdiv(e, be))
     if rows:
         _time_embed_kernel[grid](
-            x.contiguous(), wx.contiguous(), bias, out, e, A=a, A_PAD=triton.next_power_of_2(a), BE=be,
+            x.contiguous(), wx, bias, out, e, bias.stride(0), A=a, A_PAD=triton.next_power_of_2(a), BE=be,
             **dependent_launch(x.device, grid[0] * grid[1]),
         )  # fmt: skip
     return out
@@ -94,14 +97,16 @@ def time_embed_triton(x: torch.Tensor, wx: torch.Tensor, bias: torch.Tensor, dty
 def euler_step_triton(
     x: torch.Tensor, h: torch.Tensor, norm_w: torch.Tensor, w_out: torch.Tensor, b_out: torch.Tensor, eps: float
 ) -> torch.Tensor:
-    """The Triton kernel (called by :func:`euler_step` on CUDA)."""
+    """The Triton kernel (called by :func:`euler_step` on CUDA): x and h any strides (read
+    through contiguous copies), norm_w and b_out any stride, w_out contiguous."""
+    check_layout("euler_step_triton", "w_out", w_out, contiguous=True)
     a, e = w_out.shape
-    out = torch.empty_like(x)
+    out = x.new_empty(x.shape)  # row-major, as the kernel writes it (empty_like keeps a permuted x's strides)
     rows = x.numel() // a
     a_pad = triton.next_power_of_2(a)
     if rows:
         _euler_step_kernel[(rows,)](
-            x.contiguous(), h.contiguous(), norm_w, w_out.contiguous(), b_out, out, e, eps,
+            x.contiguous(), h.contiguous(), norm_w, w_out, b_out, out, e, eps, norm_w.stride(0), b_out.stride(0),
             A=a, A_PAD=a_pad, BE=min(triton.next_power_of_2(e), max(64, 4096 // a_pad)),
             **dependent_launch(x.device, rows),
         )  # fmt: skip
@@ -116,7 +121,7 @@ def time_embed(x: torch.Tensor, wx: torch.Tensor, bias: torch.Tensor, dtype: tor
             f"time_embed: x (..., A) float32, wx (E, A), bias (E,); got {tuple(x.shape)} {x.dtype}, "
             f"{tuple(wx.shape)}, {tuple(bias.shape)}"
         )
-    if use_triton(x, wx, bias):
+    if use_triton(x, wx, bias) and wx.is_contiguous():
         return time_embed_triton(x, wx, bias, dtype)
     return time_embed_reference(x, wx, bias, dtype)
 
@@ -142,6 +147,6 @@ def euler_step(
             f"euler_step: x (..., {a}) float32 and h (..., {e}) of one batch shape; got {tuple(x.shape)} "
             f"{x.dtype}, {tuple(h.shape)}"
         )
-    if use_triton(x, h, norm_w, w_out, b_out):
+    if use_triton(x, h, norm_w, w_out, b_out) and w_out.is_contiguous():
         return euler_step_triton(x, h, norm_w, w_out, b_out, eps)
     return euler_step_reference(x, h, norm_w, w_out, b_out, eps)

@@ -31,7 +31,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from flashrt.kernels.backend import dependent_launch, sm_count, tl, triton, use_triton
+from flashrt.kernels.backend import dependent_launch, layout_problem, sm_count, tl, triton, use_triton
 
 Segment = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
 """A context segment: keys and values ``(N, g, T, d)`` and a bool mask ``(N, T)`` (None: all
@@ -247,14 +247,14 @@ if triton is not None:
 def _tiles(rows: int, groups: int, keys: int, d: int, itemsize: int, sms: int) -> tuple[int, int, int, int]:
     """Launch shape ``(BM, BN, num_warps, num_stages)`` of :func:`attention_triton` for ``groups``
     (slots x key/value heads) of ``rows`` query rows (heads in a group x tokens) over ``keys``
-    keys of head dim ``d``, on a GPU with ``sms`` SMs. Measured on an H200 (docs/PERFORMANCE.md)."""
+    keys of head dim ``d``, on a GPU with ``sms`` SMs: the shapes measured fastest
+    (docs/PERFORMANCE.md)."""
     one_block = max(16, triton.next_power_of_2(keys))
     bm = max(16, min(64 if d <= 128 else 32, triton.next_power_of_2(rows)))
     if rows <= 32 and 2 * groups <= sms and one_block * d * itemsize <= 32768:
         # Few query rows (tiny's expert at up to 64 slots): 16-row programs, so a group's heads run
         # on separate SMs, each reading every key in one block of at most 32 KB (nothing to
-        # pipeline). 4.8 against 6.5 us a call at one slot in a captured chain of dependent
-        # launches.
+        # pipeline), which shortens each program's chain of dependent steps.
         return 16, one_block, 4 if d <= 128 else 8, 1
     if d <= 64 and triton.cdiv(rows, bm) * groups >= sms:  # throughput-bound: many programs
         return bm, 32, 2 if bm <= 32 else 4, 3  # the fastest launch shape at 1024 and 4096 slots
@@ -270,13 +270,15 @@ def attention_triton(
     mask: torch.Tensor | None,
     context: Sequence[Segment] = (),
 ) -> torch.Tensor:
-    """The Triton kernel (called by :func:`attention` on CUDA)."""
+    """The Triton kernel (called by :func:`attention` on CUDA): takes the strides of q, of every
+    segment's keys, values and mask, and of the own ones (e.g. slot buffers' views, a mask
+    expanded from a per-slot flag); keys without a unit last stride take the reference."""
     n, h, tq, d = q.shape
     g = k.shape[1]
     if len(context) > MAX_SEGMENTS:
         context = [_concat(context)]
     sources = [*context, (k, v, mask)]
-    if d & (d - 1) or d < 16 or any(x.stride(-1) != 1 for x in (q, *(t for s in sources for t in s[:2]))):
+    if d & (d - 1) or d < 16 or any(layout_problem(x, unit=(-1,)) for x in (q, *(t for s in sources for t in s[:2]))):
         return attention_reference(q, k, v, mask, context)
     out = q.new_empty((n, tq, h, d))
     args, tokens, flags, start, token_end = [], 0, 0, 0, 0
@@ -303,7 +305,7 @@ def attention_triton(
     blocks, programs = triton.cdiv(start, bn), grid[0] * grid[1]
     # Per-token masks in the first blocks only, flags read once before the keys: pays from 3
     # unmasked blocks on. With fewer, the second loop's set-up and the flags' load before the
-    # first block cost more than they save (tiny's frame at one slot: 8.9 against 5.9 us).
+    # first block cost more than they save.
     two_loops = blocks - triton.cdiv(token_end, bn) >= 3
     if not two_loops:
         tokens, flags = tokens | flags, 0

@@ -1,11 +1,11 @@
 """Linear layers over few rows: ``a @ W^T (+ bias)``, or accumulated onto a residual in place.
 
 At one slot a projection is a few rows by a few hundred columns, and its cost is the launch and
-the weight's trip from L2, not arithmetic: cuBLAS takes ~2.6 µs a call on an H200, a Triton
-program per column block ~1.9 µs. Inside a captured graph the Triton kernel also starts before
-the kernel ahead of it finishes (programmatic dependent launch, :mod:`flashrt.kernels.backend`): it loads
-its weight block first and waits for its input after, which cuBLAS cannot (a chain of 200 such
-calls: 1.1 µs a call, against 2.6 for cuBLAS). So the action expert's output and down
+the weight's trip from L2, not arithmetic: there a Triton program per column block is faster
+than cuBLAS. Inside a captured graph the Triton kernel also starts before the kernel ahead of it
+finishes (programmatic dependent launch, :mod:`flashrt.kernels.backend`): it loads its weight
+block first and waits for its input after, which cuBLAS cannot (measurements: docs/PERFORMANCE.md,
+"Kernels: the measurements behind their design"). So the action expert's output and down
 projections, its time MLP's output layer and the vision tower's projections at one slot run
 here, and the policy step at one slot is all Triton but for a few elementwise ops.
 
@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from flashrt.kernels.backend import dependent_launch, tl, triton, use_triton
+from flashrt.kernels.backend import check_layout, dependent_launch, tl, triton, use_triton
 
 MAX_ROWS = 256
 MAX_K = 1024
@@ -34,11 +34,16 @@ def linear_gelu_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
 
 
 def add_matmul_reference(x: torch.Tensor, a: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """Torch reference of :func:`add_matmul` (in place unless autograd records through it)."""
-    x2, a2 = x.view(-1, x.shape[-1]), a.reshape(-1, a.shape[-1])
+    """Torch reference of :func:`add_matmul` (in place unless autograd records through it; any
+    strides of x, e.g. a slot buffer's view, which no flat view of its rows covers)."""
+    a2 = a.reshape(-1, a.shape[-1])
     if torch.is_grad_enabled() and (x.requires_grad or a.requires_grad or weight.requires_grad):
-        return torch.addmm(x2, a2, weight.t()).view(x.shape)
-    return x2.addmm_(a2, weight.t()).view(x.shape)
+        return torch.addmm(x.reshape(-1, x.shape[-1]), a2, weight.t()).view(x.shape)
+    if x.is_contiguous():
+        x.view(-1, x.shape[-1]).addmm_(a2, weight.t())
+    else:  # the same product and rounding, then copied into x's strides
+        x.copy_(torch.addmm(x.reshape(-1, x.shape[-1]), a2, weight.t()).view(x.shape))
+    return x
 
 
 if triton is not None:
@@ -46,7 +51,7 @@ if triton is not None:
 
     @triton.jit
     def _linear_kernel(
-        a, weight, bias, out, rows, K, N,
+        a, weight, bias, out, rows, K, N, s_bias,
         HAS_BIAS: tl.constexpr, ACCUMULATE: tl.constexpr, GELU: tl.constexpr, BM: tl.constexpr,
         BN: tl.constexpr, BK: tl.constexpr, GDC: tl.constexpr, PRECISION: tl.constexpr,
     ):  # fmt: skip
@@ -54,7 +59,7 @@ if triton is not None:
         ks = tl.arange(0, BK)
         w = tl.load(weight + cols[:, None] * K + ks[None, :], mask=(cols[:, None] < N) & (ks[None, :] < K), other=0.0)
         if HAS_BIAS:
-            b = tl.load(bias + cols, mask=cols < N, other=0.0).to(tl.float32)
+            b = tl.load(bias + cols * s_bias, mask=cols < N, other=0.0).to(tl.float32)
         inputs_ready(GDC)  # the weight is a constant of the graph: loaded before the wait
         row = tl.program_id(0).to(tl.int64) * BM + tl.arange(0, BM)
         live = row < rows
@@ -80,6 +85,9 @@ def _launch(
     accumulate: bool = False,
     gelu: bool = False,
 ) -> None:
+    check_layout("kernels.matmul", "a", a, contiguous=True)
+    check_layout("kernels.matmul", "weight", weight, contiguous=True)
+    check_layout("kernels.matmul", "out", out, contiguous=True)
     n, k = weight.shape
     rows = a.numel() // k
     if not rows:
@@ -88,7 +96,7 @@ def _launch(
     bn = max(16, min(64, 16384 // bk))  # a 32 KB bf16 weight block a program
     grid = (triton.cdiv(rows, 16), triton.cdiv(n, bn))
     _linear_kernel[grid](
-        a, weight, out if bias is None else bias, out, rows, k, n,
+        a, weight, out if bias is None else bias, out, rows, k, n, 1 if bias is None else bias.stride(0),
         HAS_BIAS=bias is not None, ACCUMULATE=accumulate, GELU=gelu, BM=16, BN=bn, BK=bk,
         PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
         num_warps=4, **dependent_launch(a.device, grid[0] * grid[1]),
@@ -100,7 +108,7 @@ def _fits(a: torch.Tensor, weight: torch.Tensor, *tensors: torch.Tensor) -> bool
     k = weight.shape[1]
     few = 16 <= k <= MAX_K and a.numel() <= MAX_ROWS * k
     same = all(t.dtype == a.dtype for t in (weight, *tensors))
-    return few and same and use_triton(a, weight, *tensors)
+    return few and same and weight.is_contiguous() and use_triton(a, weight, *tensors)
 
 
 def _check(name: str, a: torch.Tensor, weight: torch.Tensor) -> None:
@@ -116,7 +124,7 @@ def linear(a: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     _check("linear", a, weight)
     if _fits(a, weight, *([] if bias is None else [bias])):
         out = a.new_empty((*a.shape[:-1], weight.shape[0]))
-        _launch(a.contiguous(), weight.contiguous(), bias, out)
+        _launch(a.contiguous(), weight, bias, out)
         return out
     return F.linear(a, weight, bias)
 
@@ -130,7 +138,7 @@ def linear_gelu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> to
     _check("linear_gelu", x, weight)
     if _fits(x, weight, bias):
         out = x.new_empty((*x.shape[:-1], weight.shape[0]))
-        _launch(x.contiguous(), weight.contiguous(), bias, out, gelu=True)
+        _launch(x.contiguous(), weight, bias, out, gelu=True)
         return out
     if x.is_cuda and use_triton(x, weight, bias):  # cuBLASLt's bias + GELU (tanh) epilogue
         out = torch._addmm_activation(bias, x.reshape(-1, x.shape[-1]), weight.t(), use_gelu=True)
@@ -152,6 +160,6 @@ def add_matmul(x: torch.Tensor, a: torch.Tensor, weight: torch.Tensor) -> torch.
             f"{weight.shape[0]} outputs"
         )
     if x.is_contiguous() and _fits(a, weight, x):
-        _launch(a.contiguous(), weight.contiguous(), None, x, accumulate=True)
+        _launch(a.contiguous(), weight, None, x, accumulate=True)
         return x
     return add_matmul_reference(x, a, weight)

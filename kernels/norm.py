@@ -41,7 +41,7 @@ if triton is not None:
 
     @triton.jit
     def _add_norm_kernel(
-        x, delta, weight, bias, h_out, y_out, rows, delta_rows, width, eps,
+        x, delta, weight, bias, h_out, y_out, rows, delta_rows, width, eps, s_w, s_b,
         HAS_DELTA: tl.constexpr, LAYER: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
         GDC: tl.constexpr,
     ):  # fmt: skip
@@ -57,11 +57,11 @@ if triton is not None:
             h = (h.to(tl.float32) + d.to(tl.float32)).to(h.dtype)
             tl.store(h_out + off, h, mask=m)
         hf = h.to(tl.float32)
-        w = tl.load(weight + cols, mask=cols < width, other=0.0).to(tl.float32)[None, :]
+        w = tl.load(weight + cols * s_w, mask=cols < width, other=0.0).to(tl.float32)[None, :]
         if LAYER:
             c = tl.where(inside, hf - (tl.sum(hf, axis=1) / width)[:, None], 0.0)
             r = 1.0 / tl.sqrt(tl.sum(c * c, axis=1) / width + eps)
-            y = c * r[:, None] * w + tl.load(bias + cols, mask=cols < width, other=0.0).to(tl.float32)[None, :]
+            y = c * r[:, None] * w + tl.load(bias + cols * s_b, mask=cols < width, other=0.0).to(tl.float32)[None, :]
         else:
             r = 1.0 / tl.sqrt(tl.sum(hf * hf, axis=1) / width + eps)
             y = (hf * r[:, None]).to(h.dtype).to(tl.float32) * w
@@ -91,6 +91,8 @@ def _add_norm_triton(
             1 if delta is None else delta.numel() // width,
             width,
             eps,
+            weight.stride(0),
+            1 if bias is None else bias.stride(0),
             HAS_DELTA=delta is not None,
             LAYER=bias is not None,
             ROWS=per_program,

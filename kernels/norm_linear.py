@@ -24,9 +24,9 @@ import torch
 import torch.nn.functional as F
 
 from flashrt.kernels.activation import gelu_mul, gelu_mul_reference
-from flashrt.kernels.backend import dependent_launch, tl, triton, use_triton
+from flashrt.kernels.backend import check_layout, dependent_launch, tl, triton, use_triton
 from flashrt.kernels.norm import add_rms_norm, add_rms_norm_reference
-from flashrt.kernels.rotary import check_positions, kv_destination, qkv_rope, qkv_rope_reference
+from flashrt.kernels.rotary import check_frequencies, check_positions, kv_destination, qkv_rope, qkv_rope_reference
 
 FUSED_MAX_WIDTH = 256
 """Widest rows the fused kernels take: a block of rows is held whole in registers."""
@@ -34,9 +34,8 @@ FUSED_MAX_WIDTH = 256
 GEGLU_MAX_ROWS = 256
 QKV_ROPE_MAX_ROWS = 2048
 """Most rows (tokens) a call takes the fused kernel for. Below these the calls are latency-bound
-and one launch beats three; above them the unfused chain's cuBLAS matmul is faster (H200,
-``tiny``: at one slot the fused GeGLU call takes 2.7 µs against 4.8, at 2 048 rows 12.4 against
-10.1; the q/k/v call 3.5 against 4.9 at one slot, 18.4 against 13.3 at 8 192 rows)."""
+and one launch beats three; above them the unfused chain's cuBLAS matmul is faster (measured:
+docs/PERFORMANCE.md, "Kernels: the measurements behind their design")."""
 
 
 def _check(x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor, name: str) -> None:
@@ -99,7 +98,7 @@ if triton is not None:
     def _norm_linear_kernel(
         x, norm_w, weight, out, pos0, inv_freq, k_out, v_out,
         rows, width, eps, m, T, HEADS, KV_HEADS,
-        sk_n, sk_g, sk_t, sv_n, sv_g, sv_t,
+        sk_n, sk_g, sk_t, sv_n, sv_g, sv_t, s_nw, s_pos, s_freq,
         ROPE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GDC: tl.constexpr,
         PRECISION: tl.constexpr,
     ):  # fmt: skip
@@ -109,13 +108,13 @@ if triton is not None:
         kin = ks < width
         if GDC:  # a grid that fits at once: its weights (constants of the graph) before the wait
             first, w1, w2 = _weight_blocks(weight, m, width, ks, kin, ROPE, BN)
-            nw = tl.load(norm_w + ks, mask=kin, other=0.0).to(tl.float32)
+            nw = tl.load(norm_w + ks * s_nw, mask=kin, other=0.0).to(tl.float32)
             inputs_ready(GDC)
         a = tl.load(x + row[:, None] * width + ks[None, :], mask=live[:, None] & kin[None, :], other=0.0)
         af = a.to(tl.float32)
         r = 1.0 / tl.sqrt(tl.sum(af * af, axis=1) / width + eps)
-        if not GDC:  # programs in waves: each load where it is used (b256: 440 µs a step; weights first, 610)
-            nw = tl.load(norm_w + ks, mask=kin, other=0.0).to(tl.float32)
+        if not GDC:  # programs in waves: each load where it is used (faster than weights first there)
+            nw = tl.load(norm_w + ks * s_nw, mask=kin, other=0.0).to(tl.float32)
         y = ((af * r[:, None]).to(a.dtype).to(tl.float32) * nw[None, :]).to(a.dtype)  # (BM, BK) normed rows
         if not GDC:
             first, w1, w2 = _weight_blocks(weight, m, width, ks, kin, ROPE, BN)
@@ -124,7 +123,7 @@ if triton is not None:
         if ROPE:  # queries and keys rotated, rounded as the unfused kernel; values as projected
             store_head(
                 p, q, row // T, row % T, live, tl.program_id(1), T, pos0, inv_freq, out, k_out, v_out, HEADS, KV_HEADS,
-                sk_n, sk_g, sk_t, sv_n, sv_g, sv_t, BN,
+                sk_n, sk_g, sk_t, sv_n, sv_g, sv_t, s_pos, s_freq, BN,
             )  # fmt: skip
         else:  # gelu_tanh(gate) * up, rounded as kernels.gelu_mul
             pf, qf = p.to(tl.float32), q.to(tl.float32)
@@ -139,13 +138,15 @@ def _fits(max_rows: int, x: torch.Tensor, weight: torch.Tensor, *tensors: torch.
     """Whether a call takes the fused kernel (else the unfused chain, which reports dtype mismatches)."""
     width = x.shape[-1]
     few = 16 <= width <= FUSED_MAX_WIDTH and x.numel() <= max_rows * width
-    return few and weight.dtype == x.dtype and use_triton(x, weight, *tensors)
+    return few and weight.dtype == x.dtype and weight.is_contiguous() and use_triton(x, weight, *tensors)
 
 
 def _launch(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor, blocks: int, bn: int,
             out: torch.Tensor, rope: tuple | None) -> None:  # fmt: skip
     """One program per 16 rows and column block: the rows are few (see :data:`GEGLU_MAX_ROWS`
     and :data:`QKV_ROPE_MAX_ROWS`)."""
+    for name, tensor in (("x", x), ("weight", weight), ("out", out)):
+        check_layout("kernels.norm_linear", name, tensor, contiguous=True)
     width = x.shape[-1]
     rows = x.numel() // width
     if not rows:
@@ -155,14 +156,16 @@ def _launch(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torc
         t = heads = kv_heads = 1
         m = out.shape[-1]
         sk = sv = (0, 0, 0)
+        s_pos = s_freq = 1
     else:
         pos0, inv_freq, k_out, v_out, t, heads, kv_heads = rope
         m = 0
         sk, sv = k_out.stride()[:3], v_out.stride()[:3]
+        s_pos, s_freq = pos0.stride(0), inv_freq.stride(0)
     grid = (triton.cdiv(rows, 16), blocks)
     _norm_linear_kernel[grid](
         x, norm_weight, weight, out, pos0, inv_freq, k_out, v_out,
-        rows, width, eps, m, t, heads, kv_heads, *sk, *sv,
+        rows, width, eps, m, t, heads, kv_heads, *sk, *sv, norm_weight.stride(0), s_pos, s_freq,
         ROPE=rope is not None, BM=16, BN=bn, BK=max(16, triton.next_power_of_2(width)),
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=4, **dependent_launch(x.device, grid[0] * grid[1]),
@@ -171,9 +174,11 @@ def _launch(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torc
 
 def rms_norm_geglu_triton(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor) -> torch.Tensor:
     """The fused Triton kernel (called by :func:`rms_norm_geglu` on CUDA for rows up to
-    :data:`FUSED_MAX_WIDTH` wide)."""
+    :data:`FUSED_MAX_WIDTH` wide): x any strides (read through a contiguous copy), the norm
+    weight any stride, the projection weight contiguous (loaded before the wait of a dependent
+    launch, so never a copy made just ahead)."""
     m = weight.shape[0] // 2
-    x, weight = x.contiguous(), weight.contiguous()
+    x = x.contiguous()
     out = x.new_empty((*x.shape[:-1], m))
     rows = x.numel() // x.shape[-1]
     bn = 32 if rows <= 16 else 64  # one slot's rows: narrower column blocks, more programs
@@ -193,14 +198,17 @@ def rms_norm_qkv_rope_triton(
     kv_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The fused Triton kernel (called by :func:`rms_norm_qkv_rope` on CUDA for rows up to
-    :data:`FUSED_MAX_WIDTH` wide and a power-of-two head dim)."""
+    :data:`FUSED_MAX_WIDTH` wide and a power-of-two head dim). Takes the strides of ``pos0``,
+    ``inv_freq``, the norm weight and ``kv_out`` (unit last stride); x as :func:`rms_norm_geglu_triton`."""
     n, t, _ = x.shape
     kv_out = kv_destination(n, t, weight.shape[0], x.dtype, x.device, heads, kv_heads, kv_out)
+    check_layout("rms_norm_qkv_rope_triton", "kv_out", kv_out, unit=(-1,))
     d = kv_out.shape[-1]
+    check_frequencies(inv_freq, d, "rms_norm_qkv_rope")
     k_out, v_out = kv_out[:, 0], kv_out[:, 1]
     q = x.new_empty((n, heads, t, d))
     rope = (pos0, inv_freq, k_out, v_out, t, heads, kv_heads)
-    _launch(x.contiguous(), norm_weight, eps, weight.contiguous(), heads + 2 * kv_heads, d // 2, q, rope)
+    _launch(x.contiguous(), norm_weight, eps, weight, heads + 2 * kv_heads, d // 2, q, rope)
     return q, k_out, v_out
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from flashrt.kernels.backend import tl, triton, use_triton
+from flashrt.kernels.backend import layout_problem, tl, triton, use_triton
 
 
 def rope_angles(pos: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -56,6 +56,15 @@ def check_positions(pos0: torch.Tensor, n: int, name: str) -> None:
         raise ValueError(f"{name}: pos0 must be ({n},) int64, got {tuple(pos0.shape)} {pos0.dtype}")
 
 
+def check_frequencies(inv_freq: torch.Tensor, d: int, name: str) -> None:
+    """``inv_freq`` must be ``(d/2,)`` floating point: the kernels read that many."""
+    if inv_freq.shape != (d // 2,) or not inv_freq.is_floating_point():
+        raise ValueError(
+            f"{name}: inv_freq must be ({d // 2},) floating point for head dim {d}, got "
+            f"{tuple(inv_freq.shape)} {inv_freq.dtype}"
+        )
+
+
 def qkv_rope_reference(
     qkv: torch.Tensor,
     pos0: torch.Tensor,
@@ -80,7 +89,7 @@ if triton is not None:
     @triton.jit
     def store_head(
         a, b, n, t, live, j, T, pos0, inv_freq, q_out, k_out, v_out, HEADS, KV_HEADS,
-        sk_n, sk_g, sk_t, sv_n, sv_g, sv_t, HALF: tl.constexpr,
+        sk_n, sk_g, sk_t, sv_n, sv_g, sv_t, s_pos, s_freq, HALF: tl.constexpr,
     ):  # fmt: skip
         """Head ``j`` (among h + 2g) of tokens ``t`` of slots ``n`` (``live`` ones), as its two
         halves ``a``, ``b`` (BT, HALF): queries and keys rotated (rounded as the reference) and
@@ -88,8 +97,8 @@ if triton is not None:
         cols = tl.arange(0, HALF)
         m = live[:, None]
         if j < HEADS + KV_HEADS:
-            pos = (tl.load(pos0 + n, mask=live, other=0) + t).to(tl.float32)
-            ang = pos[:, None] * tl.load(inv_freq + cols)[None, :]
+            pos = (tl.load(pos0 + n * s_pos, mask=live, other=0) + t).to(tl.float32)
+            ang = pos[:, None] * tl.load(inv_freq + cols * s_freq)[None, :]
             c = tl.cos(ang).to(a.dtype).to(tl.float32)
             s = tl.sin(ang).to(a.dtype).to(tl.float32)
             af, bf = a.to(tl.float32), b.to(tl.float32)
@@ -110,7 +119,7 @@ if triton is not None:
     def _qkv_rope_kernel(
         qkv, pos0, inv_freq, q_out, k_out, v_out,
         rows, T, HEADS, KV_HEADS,
-        sk_n, sk_g, sk_t, sv_n, sv_g, sv_t,
+        sk_n, sk_g, sk_t, sv_n, sv_g, sv_t, s_pos, s_freq,
         HALF: tl.constexpr, BT: tl.constexpr,
     ):  # fmt: skip
         row = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)  # n * T + t, BT tokens
@@ -125,7 +134,7 @@ if triton is not None:
         b = tl.load(src + HALF, mask=m)
         store_head(
             a, b, n, t, live, j, T, pos0, inv_freq, q_out, k_out, v_out, HEADS, KV_HEADS,
-            sk_n, sk_g, sk_t, sv_n, sv_g, sv_t, HALF,
+            sk_n, sk_g, sk_t, sv_n, sv_g, sv_t, s_pos, s_freq, HALF,
         )  # fmt: skip
 
 
@@ -137,11 +146,14 @@ def qkv_rope_triton(
     kv_heads: int,
     kv_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The Triton kernel (called by :func:`qkv_rope` on CUDA)."""
+    """The Triton kernel (called by :func:`qkv_rope` on CUDA): takes the strides of ``pos0``,
+    ``inv_freq`` and ``kv_out``; qkv any strides (read through a contiguous copy). A head dim
+    off a power of two, or a ``kv_out`` without a unit last stride, takes the reference."""
     n, t, _ = qkv.shape
     kv_out = kv_destination(*qkv.shape, qkv.dtype, qkv.device, heads, kv_heads, kv_out)
     d = kv_out.shape[-1]
-    if d & (d - 1) or kv_out.stride(-1) != 1:
+    check_frequencies(inv_freq, d, "qkv_rope")
+    if d & (d - 1) or layout_problem(kv_out, unit=(-1,)) is not None:
         return qkv_rope_reference(qkv, pos0, inv_freq, heads, kv_heads, kv_out)
     k_out, v_out = kv_out[:, 0], kv_out[:, 1]
     q = qkv.new_empty((n, heads, t, d))
@@ -151,7 +163,7 @@ def qkv_rope_triton(
             qkv.contiguous(), pos0, inv_freq, q, k_out, v_out,
             n * t, t, heads, kv_heads,
             k_out.stride(0), k_out.stride(1), k_out.stride(2), v_out.stride(0), v_out.stride(1), v_out.stride(2),
-            HALF=d // 2, BT=bt, num_warps=2 if d <= 128 else 4,
+            pos0.stride(0), inv_freq.stride(0), HALF=d // 2, BT=bt, num_warps=2 if d <= 128 else 4,
         )  # fmt: skip
     return q, k_out, v_out
 

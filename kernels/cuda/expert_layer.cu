@@ -1,8 +1,8 @@
 // One action-expert decoder layer at few slots as ONE kernel: a cluster of 8 CTAs per slot.
 //
 // A `tiny` expert layer at one slot is 8 tokens of width 192: five Triton kernels (norm + q/k/v
-// + rotary, attention, o projection, norm + gate/up + GeGLU, down projection), ~13 us on an
-// H200, each kernel's cost its chain of dependent steps after waiting for the one ahead. Here
+// + rotary, attention, o projection, norm + gate/up + GeGLU, down projection), each kernel's cost
+// its chain of dependent steps after waiting for the one ahead (docs/PERFORMANCE.md). Here
 // the eight CTAs of a cluster load their slices of the layer's weights into shared memory
 // before that wait (the weights are constants of the graph; the next layer's CTAs do so while
 // this one runs), then push activations into each other's distributed shared memory, each
@@ -53,8 +53,9 @@ struct Params {
   const bf16* n2;
   const bf16* wgu;  // (2*MLP, E), gate rows first
   const bf16* wd;   // (E, MLP)
-  const long long* pos0;
-  const float* inv_freq;  // (D/2,)
+  const long long* pos0;  // (N,), element stride s_pos0 (e.g. a slot buffer's view)
+  const float* inv_freq;  // (D/2,) contiguous
+  long long s_pos0;
   Segment seg[3];
   int nseg;
   float eps1, eps2, scale;  // scale: log2(e) / sqrt(D)
@@ -305,7 +306,7 @@ __global__ void __launch_bounds__(THREADS, 1) expert_layer_kernel(const Params p
   uint32_t kf[2][4][2];
   bool kv_ok[2][2];
   {
-    const long long pos0 = p.pos0[n];  // rotary table: cos, sin of each token's angles, rounded
+    const long long pos0 = p.pos0[n * p.s_pos0];  // rotary table: cos, sin of each token's angles, rounded
     for (int i = tid; i < T * (D / 2); i += THREADS) {
       float ang = (float)(pos0 + i / (D / 2)) * p.inv_freq[i % (D / 2)];
       rot[i] = rnd(cosf(ang));
