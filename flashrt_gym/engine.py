@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from flashrt import runtime
+from flashrt.kernels.rng import slot_key
 from flashrt.policies import FlowPolicy, InstructionTable, PolicyConfig, PolicyPipeline, deployment_digest, policy_specs
 from flashrt.runtime import BufferSpec, Capsule, Graph, scratch, slot
 from flashrt.runtime.views import bind_views
@@ -294,7 +295,7 @@ class Engine:
         if seeds is not None:
             self.sim.seed(seeds)
             p = self.policy.state
-            p.rng_key.copy_(_slot_key(seeds))
+            p.rng_key.copy_(slot_key(seeds))
             p.rng_counter.zero_()
         self._restart(None)
         self._observe()
@@ -406,19 +407,11 @@ class Engine:
         if reseed:
             idx = torch.tensor(list(dst), device=self.device)
             for key in (self.policy.state.rng_key, self.sim.rng_key):
-                key[idx] = _reseed(key[idx], idx)
+                key[idx] = reseed(key[idx], idx)
             if self.mirror is not None:
                 self.mirror.host.seed(self.sim.rng_key[idx].cpu().numpy(), np.asarray(dst))
                 self.mirror.host_refresh()
         self._write(self.obs)
-
-
-def _slot_key(seeds: torch.Tensor) -> torch.Tensor:
-    return seeds * 2654435761 + 1
-
-
-def _reseed(key: torch.Tensor, salt: torch.Tensor) -> torch.Tensor:
-    return key * 6364136223846793005 + salt + 1
 
 
 def _check_fit(sim: Simulator, c: PolicyConfig, cfg: StepConfig) -> None:
