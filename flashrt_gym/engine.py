@@ -295,7 +295,7 @@ class Engine:
         if seeds is not None:
             self.sim.seed(seeds)
             p = self.policy.state
-            p.rng_key.copy_(slot_key(seeds))
+            p.rng_key.copy_(rng.slot_key(seeds))
             p.rng_counter.zero_()
         self._restart(None)
         self._observe()
@@ -407,7 +407,7 @@ class Engine:
         if reseed:
             idx = torch.tensor(list(dst), device=self.device)
             for key in (self.policy.state.rng_key, self.sim.rng_key):
-                key[idx] = reseed(key[idx], idx)
+                key[idx] = rng.reseed(key[idx], idx)
             if self.mirror is not None:
                 self.mirror.host.seed(self.sim.rng_key[idx].cpu().numpy(), np.asarray(dst))
                 self.mirror.host_refresh()
