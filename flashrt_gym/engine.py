@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from flashrt import runtime
-from flashrt.kernels.rng import slot_key
+from flashrt.kernels import rng
 from flashrt.policies import FlowPolicy, InstructionTable, PolicyConfig, PolicyPipeline, deployment_digest, policy_specs
 from flashrt.runtime import BufferSpec, Capsule, Graph, scratch, slot
 from flashrt.runtime.views import bind_views
