@@ -152,7 +152,13 @@ class Engine:
         self.obs = bind_views(Observations, self.bufs, "env.obs")
         self.final = bind_views(Observations, self.bufs, "env.final")
         first = self.bufs.names("scratch").index("env.out.reward")
-        self.output_names = self.bufs.names("scratch")[first:]  # back to back: one copy reads them out
+        names = self.bufs.names("scratch")[first:]  # back to back: one copy reads them out
+        lo = self.bufs.placements[names[0]].offset
+        hi = max(self.bufs.placements[n].offset + self.bufs.placements[n].spec.nbytes for n in names)
+        self.output_span = self.bufs.scratch_arena[lo:hi]
+        """The bytes of every output and observation a step writes, one span of the scratch arena."""
+        self.output_layout = {n: (self.bufs.placements[n].offset - lo, self.bufs.placements[n].spec) for n in names}
+        """Where each output lies in :attr:`output_span`: byte offset and spec."""
         self.graph = Graph("env.step", backend=backend, max_variants=2).bind(self.bufs)
 
     def _io_specs(self, c: PolicyConfig, n: int) -> list[BufferSpec]:
@@ -308,7 +314,7 @@ class Engine:
         first use); for an external simulator, the act graph, the host hand-off and the finish
         graph. The step runs only where every action is in bounds: :meth:`held` says whether it
         did."""
-        self.inputs.action.copy_(actions)
+        self.inputs.action.copy_(actions, non_blocking=True)  # from a device tensor or page-locked staging
         if self.mirror is None:
             if "step" not in self.graph:
                 self.graph.capture("step", self.program, guard=self._guard)
@@ -338,9 +344,16 @@ class Engine:
         return self.graph.held("act" if self.mirror is not None else "step")
 
     def read_outputs(self, device: torch.device | str | None = None) -> dict[str, torch.Tensor]:
-        """Copies of the step's outputs and observations (:attr:`output_names`), made by one
-        copy queued behind the step (on ``device``, default the engine's)."""
-        return self.bufs.clone(self.output_names, device)
+        """Copies of the step's outputs and observations, made by one copy of :attr:`output_span`
+        queued behind the step (on ``device``, default the engine's)."""
+        return self.unpack(self.output_span.to(device or self.device, copy=True))
+
+    def unpack(self, span: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Typed views of each output in ``span``, a copy of :attr:`output_span`."""
+        return {
+            n: span[off : off + spec.nbytes].view(spec.dtype).view(spec.shape)
+            for n, (off, spec) in self.output_layout.items()
+        }
 
     def write_observation(self) -> None:
         """The current state's observation forms into ``env.obs.*`` (after a restore or fork)."""

@@ -142,8 +142,9 @@ class FlashRTVectorEnv(VectorEnv):
         self.single_observation_space = spaces.Dict(single) if obs_mode == "dict" else single[obs_mode]
         self.action_space = gym.vector.utils.batch_space(self.single_action_space, self.num_envs)
         self.observation_space = gym.vector.utils.batch_space(self.single_observation_space, self.num_envs)
-        span = next(iter(self.engine.read_outputs().values())).untyped_storage().nbytes()
-        self._staging = torch.empty(span, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
+        pinned = self.device.type == "cuda"  # page-locked: the transfers are asynchronous copies
+        self._outputs = torch.empty_like(self.engine.output_span, device="cpu", pin_memory=pinned)
+        self._actions = torch.empty(self.action_space.shape, dtype=torch.float32, pin_memory=pinned)
 
     # -- Gymnasium API -------------------------------------------------------------------------
     def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[Obs, dict[str, Any]]:
@@ -185,8 +186,8 @@ class FlashRTVectorEnv(VectorEnv):
 
     def step(self, actions: Any) -> tuple[Obs, np.ndarray, np.ndarray, np.ndarray, dict[str, Any]]:
         """One chunk for every slot, NumPy in and out (one transfer each way)."""
-        a = self._host_actions(actions)
-        self._launch(torch.from_numpy(a))
+        np.copyto(self._actions.numpy(), self._host_actions(actions))
+        self._launch(self._actions)  # the previous step's read-back finished with this buffer
         out = self._read(host=True)
         info: dict[str, Any] = {}
         if self.autoreset and out["env.out.done"].any():
@@ -212,7 +213,7 @@ class FlashRTVectorEnv(VectorEnv):
         host = actions.device.type == "cpu" and self.device.type != "cpu"
         if host:
             self._check_bounds(actions.numpy(force=True))
-        self._launch(actions)
+        self._launch(actions.to(self.device))  # a host tensor of the caller's: a synchronous copy
         if not host and not self.engine.held():
             _reject(actions)
         out = self._read(host=False)
@@ -306,22 +307,17 @@ class FlashRTVectorEnv(VectorEnv):
         self._check_open()
         if not self.started:
             raise RuntimeError("call reset() before step()")
-        self.engine.launch(actions.to(self.device, non_blocking=True))
+        self.engine.launch(actions)
 
     def _read(self, host: bool) -> dict[str, Any]:
         """The step's outputs: device copies, or NumPy arrays over one fresh host buffer (one
-        device copy behind the step, one transfer into page-locked memory, one host copy)."""
-        outputs = self.engine.read_outputs()
+        transfer into page-locked memory behind the step, one host copy the caller keeps)."""
         if not host:
-            return outputs
-        self._staging.untyped_storage().copy_(next(iter(outputs.values())).untyped_storage(), non_blocking=True)
+            return self.engine.read_outputs()
+        self._outputs.copy_(self.engine.output_span, non_blocking=True)
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
-        fresh = self._staging.numpy().copy()  # the caller's to keep and write
-        return {
-            k: fresh[v.storage_offset() * v.element_size() :][: v.nbytes].view(_NUMPY[v.dtype]).reshape(v.shape)
-            for k, v in outputs.items()
-        }
+        return {k: v.numpy() for k, v in self.engine.unpack(self._outputs.clone()).items()}
 
     def _pick(self, out: dict[str, Any], prefix: str) -> Any:
         parts = {f: out[f"env.{prefix}.{f}"] for f in self.step_config.obs_forms}

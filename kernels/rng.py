@@ -106,6 +106,16 @@ if triton is not None:
         return x ^ (x >> 16)
 
     @triton.jit
+    def uniform_tl(key, counter, j):
+        """Element ``j`` of :func:`uniform`'s ``(key, counter)`` stream, inside a Triton kernel:
+        the same float32 bits as the torch function (int64 keys, counters and indices, any
+        broadcastable shapes)."""
+        j = key * 0 + j  # int64 (a literal index would be int32, too narrow for the mixer)
+        stream = _mix32_tl(_mix32_tl(key ^ (key >> 32)) + counter * 0x9E3779B1)
+        bits = _mix32_tl(stream ^ _mix32_tl(j * 0x85EBCA6B + 1))
+        return (bits >> 8).to(tl.float32) * (1.0 / 16777216.0)
+
+    @triton.jit
     def _draw_normal_kernel(out, key, counter, n, half, s_out, s_key, s_counter, BLOCK: tl.constexpr):
         # key, counter and out's rows are slot buffers: strided by the arena's row, not contiguous
         s = tl.program_id(0).to(tl.int64)

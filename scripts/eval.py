@@ -17,7 +17,6 @@ from dataclasses import replace
 
 import hydra
 import numpy as np
-from gymnasium.utils.save_video import save_video
 from hydra.utils import get_class
 from omegaconf import DictConfig
 
@@ -44,6 +43,8 @@ def load_agent(cfg: DictConfig, checkpoint: str, env: FlashRTVectorEnv) -> Act:
 
 def record(cfg: DictConfig, act: Act, action_mode: str, split: str, folder: str) -> None:
     """Two episodes of ``split`` (run side by side in two slots) as videos in ``folder``."""
+    from gymnasium.utils.save_video import save_video  # needs moviepy (the dev extra)
+
     env = make_env(cfg, 2, autoreset=False, action_mode=action_mode, render_mode="rgb_array")
     obs, _ = env.reset(seed=eval_seed(split, 2))
     frames: list[list] = [[f] for f in env.render()]

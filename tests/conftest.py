@@ -4,6 +4,7 @@ Without a GPU, Triton kernels run through Triton's CPU interpreter where Triton 
 (the variable must be set before Triton is first imported, hence here).
 """
 
+import importlib.util
 import os
 
 import pytest
@@ -11,6 +12,9 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+if importlib.util.find_spec("mujoco") is None:  # the MuJoCo task's tests need the mujoco extra
+    collect_ignore_glob = ["flashrt_gym/test_mujoco*.py"]
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -40,7 +40,7 @@ from flashrt_gym.tasks.tabletop_config import (
     SHAPES,
     TabletopConfig,
 )
-from flashrt_gym.tasks.tabletop_kernels import Scene, render_triton, ticks_triton
+from flashrt_gym.tasks.tabletop_kernels import Scene, render_triton, reset_triton, ticks_triton
 
 
 @dataclass(frozen=True)
@@ -185,9 +185,13 @@ class Tabletop:
     def reset(self, mask: torch.Tensor | None = None, instruction: torch.Tensor | None = None) -> None:
         """Draw the next episode of each slot's RNG stream where ``mask`` (all slots if None).
 
-        ``instruction`` (slots,) int64 forces instruction indices (``-1`` keeps the draw).
+        ``instruction`` (slots,) int64 forces instruction indices (``-1`` keeps the draw). One
+        Triton launch on CUDA (:mod:`flashrt_gym.tasks.tabletop_kernels`), torch elsewhere.
         """
         cfg, c, k, s = self.cfg, self.tables, self.num_objects, self.state
+        if use_triton(s.ee, *(t for t in (mask, instruction) if t is not None)):
+            reset_triton(s, c, self.scene, cfg.spawn, mask, instruction)
+            return
         m = torch.ones_like(s.success) if mask is None else mask
         u = uniform(s.key, s.counter, 3 + 2 * k)
         split = c["split"]

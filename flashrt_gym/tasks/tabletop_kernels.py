@@ -1,11 +1,13 @@
-"""The tabletop's hot path as two Triton kernels: all ticks of an action chunk, and the render.
+"""The tabletop's hot path as Triton kernels: all ticks of an action chunk, the render, and the
+masked reset (an autoreset inside the step draws the next episodes of the finished slots).
 
 :meth:`Tabletop.step <flashrt_gym.tasks.Tabletop.step>` (one tick) and
 :meth:`Tabletop.render_reference <flashrt_gym.tasks.Tabletop.render_reference>` in torch are the
 references: a tick is about 150 small kernels (substeps x contact rounds of elementwise work on
 ``(N, K, 2)`` tensors) and the render about 40, all launch-bound. Here one program owns a block
 of slots and runs every tick of the chunk with the state in registers (one launch per chunk),
-and one program renders a block of pixels of one slot straight into the policy's image buffer.
+one program renders a block of pixels of one slot straight into the policy's image buffer, and
+one launch draws and separates every masked slot's next episode (about 150 kernels in torch).
 The arithmetic follows the references operation by operation; results agree to float32 rounding.
 
 The kernels take the state as the tensors they read and write, with every stride (slot buffers
@@ -22,6 +24,7 @@ from typing import Protocol
 import torch
 
 from flashrt.kernels.backend import sm_count, tl, triton
+from flashrt.kernels.rng import uniform_tl
 
 
 @dataclass(frozen=True)
@@ -50,6 +53,13 @@ class State(Protocol):
     instruction: torch.Tensor
     tick: torch.Tensor
     success: torch.Tensor
+
+
+class ResetState(State, Protocol):
+    """What the reset also reads and writes: each slot's RNG stream."""
+
+    key: torch.Tensor
+    counter: torch.Tensor
 
 
 if triton is not None:
@@ -159,6 +169,50 @@ if triton is not None:
         tl.store(sparse_out + r * s_sparse, sparse, mask=live)
 
     @triton.jit
+    def _reset_kernel(
+        ee, obj, vel, success, tick, instruction, key, counter, mask, force, split,
+        n, n_split, s_ee, s_ee1, s_obj, s_objk, s_obj1, s_vel, s_velk, s_vel1, s_succ, s_tick, s_inst,
+        s_key, s_cnt, s_mask, s_force,
+        HAS_MASK: tl.constexpr, HAS_FORCE: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
+        EE_R: tl.constexpr, OBJ_R: tl.constexpr, SPAWN: tl.constexpr, BLOCK: tl.constexpr,
+    ):  # fmt: skip
+        rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        live = rows < n
+        r = rows.to(tl.int64)
+        if HAS_MASK:
+            live = live & (tl.load(mask + r * s_mask, mask=live, other=0) != 0)
+        k = tl.load(key + r * s_key, mask=live, other=0)
+        c = tl.load(counter + r * s_cnt, mask=live, other=0)
+        pick = tl.minimum((uniform_tl(k, c, 0) * n_split).to(tl.int64), n_split - 1)
+        drawn = tl.load(split + pick, mask=live, other=0)
+        if HAS_FORCE:
+            forced = tl.load(force + r * s_force, mask=live, other=-1)
+            drawn = tl.where(forced >= 0, forced, drawn)
+        ex = (uniform_tl(k, c, 1) * 2 - 1) * SPAWN
+        ey = (uniform_tl(k, c, 2) * 2 - 1) * SPAWN
+        kk = tl.arange(0, KP).to(tl.int64)
+        valid = kk < K
+        far = 100.0 + 10.0 * kk[None, :].to(tl.float32)  # padding objects sit far apart, never touch
+        ox = (uniform_tl(k[:, None], c[:, None], 3 + 2 * kk[None, :]) * 2 - 1) * SPAWN
+        ox = ox + tl.where(valid[None, :], 0.0, far)
+        oy = (uniform_tl(k[:, None], c[:, None], 4 + 2 * kk[None, :]) * 2 - 1) * SPAWN
+        for _ in tl.static_range(8):  # separate overlapping starts
+            ox, oy = _contacts(ex, ey, ox, oy, valid, EE_R, OBJ_R, K)
+        m2 = live[:, None] & valid[None, :]
+        tl.store(ee + r * s_ee, ex, mask=live)
+        tl.store(ee + r * s_ee + s_ee1, ey, mask=live)
+        ptr_o = obj + r[:, None] * s_obj + kk[None, :] * s_objk
+        ptr_v = vel + r[:, None] * s_vel + kk[None, :] * s_velk
+        tl.store(ptr_o, ox, mask=m2)
+        tl.store(ptr_o + s_obj1, oy, mask=m2)
+        tl.store(ptr_v, tl.zeros_like(ox), mask=m2)
+        tl.store(ptr_v + s_vel1, tl.zeros_like(oy), mask=m2)
+        tl.store(instruction + r * s_inst, drawn, mask=live)
+        tl.store(tick + r * s_tick, tl.zeros_like(drawn), mask=live)
+        tl.store(success + r * s_succ, tl.zeros_like(drawn).to(tl.int8), mask=live)
+        tl.store(counter + r * s_cnt, c + 1, mask=live)
+
+    @triton.jit
     def _render_kernel(
         out, ee, obj, goals, colors, shapes, s_out, s_oh, s_ow, s_oc, s_ee, s_ee1, s_obj, s_objk, s_obj1,
         n_goals, n_objects,
@@ -244,6 +298,37 @@ def ticks_triton(
         K=k, KP=triton.next_power_of_2(k), SUBSTEPS=scene.substeps, ITERS=scene.contact_iters,
         EE_R=scene.ee_radius, OBJ_R=scene.obj_radius, GOAL_R=scene.goal_radius, SPEED=scene.max_speed,
         FRICTION=scene.friction, BLOCK=block, num_warps=warps,
+    )  # fmt: skip
+
+
+def reset_triton(
+    state: ResetState,
+    tables: Mapping[str, torch.Tensor],
+    scene: Scene,
+    spawn: float,
+    mask: torch.Tensor | None,
+    instruction: torch.Tensor | None,
+) -> None:
+    """Draw the next episode of every slot in ``mask`` (all if None) from its RNG stream, in one
+    launch: instruction (``instruction``'s where it is >= 0), end-effector and objects in
+    ``[-spawn, spawn]^2`` separated by 8 contact rounds; velocities, tick and success cleared, the
+    counter bumped. Every tensor may have any strides; ``tables["split"]`` is contiguous int64."""
+    n = state.ee.shape[0]
+    if n == 0:
+        return
+    success = state.success.view(torch.int8)
+    k = state.obj.shape[1]
+    block, warps = _ticks_launch(n, state.ee.device)
+    dummy = state.tick  # stands in for an absent mask or instruction (never read)
+    m = dummy if mask is None else mask.view(torch.int8)
+    f = dummy if instruction is None else instruction
+    _reset_kernel[(triton.cdiv(n, block),)](
+        state.ee, state.obj, state.obj_vel, success, state.tick, state.instruction, state.key, state.counter,
+        m, f, tables["split"], n, tables["split"].shape[0], *state.ee.stride(), *state.obj.stride(),
+        *state.obj_vel.stride(), success.stride(0), state.tick.stride(0), state.instruction.stride(0),
+        state.key.stride(0), state.counter.stride(0), m.stride(0), f.stride(0),
+        HAS_MASK=mask is not None, HAS_FORCE=instruction is not None, K=k, KP=triton.next_power_of_2(k),
+        EE_R=scene.ee_radius, OBJ_R=scene.obj_radius, SPAWN=spawn, BLOCK=block, num_warps=warps,
     )  # fmt: skip
 
 
