@@ -1,19 +1,23 @@
 """The VLA flow policy: a pi0-shaped model, its static-buffer pipeline, and its weights."""
 
 from flashrt.policies.config import PRESETS, PolicyConfig, pi0, tiny
+from flashrt.policies.convert import ConversionError, convert_lerobot
 from flashrt.policies.model import FlowPolicy
 from flashrt.policies.pipeline import STAGES, PolicyPipeline, deployment_digest, policy_specs
-from flashrt.policies.tokenizer import WordTokenizer
+from flashrt.policies.tokenizer import PaliGemmaTokenizer, WordTokenizer
 from flashrt.policies.weights import WeightsError, load, save, tokenizer_for
 
 __all__ = [
     "PRESETS",
     "STAGES",
+    "ConversionError",
     "FlowPolicy",
+    "PaliGemmaTokenizer",
     "PolicyConfig",
     "PolicyPipeline",
     "WeightsError",
     "WordTokenizer",
+    "convert_lerobot",
     "deployment_digest",
     "load",
     "pi0",
