@@ -52,6 +52,7 @@ from flashrt.kernels import (
     time_embed,
 )
 from flashrt.kernels.grouped_attention import Segment
+from flashrt.policies import attention_long
 from flashrt.policies.config import PolicyConfig
 
 Prefix = Sequence[tuple[torch.Tensor, torch.Tensor]]
@@ -163,6 +164,8 @@ class Folded:
 class DecoderLayer(nn.Module):
     """Pre-norm layer: GQA self/cross attention with rotary embeddings, gated (GeGLU) MLP.
 
+    Attention over a long block (pi0's block B: thousands of query rows per key/value head) runs
+    :mod:`flashrt.policies.attention_long`'s flash kernel, every other call the few-row kernel.
     Per layer on CUDA, at best five kernels: norm + fused q/k/v projection + rotary split
     (keys/values written into the caller's cache view), attention over [context; own], the output
     projection accumulated onto the residual, norm + gate/up projection + GeGLU, and the down
@@ -240,14 +243,14 @@ class DecoderLayer(nn.Module):
             m1, m2 = mod.unbind(-3)
             qkv = linear(modulated_norm(x, m1, n1.eps), self.qkv_weight())
             q, k, v = qkv_rope(qkv, pos0, inv_freq, self.heads, self.kv_heads, kv_out)
-            a = linear(attention(q, k, v, own_mask, context).reshape(n, t, -1), self.o.weight)
+            a = linear(attention_long.attention(q, k, v, own_mask, context).reshape(n, t, -1), self.o.weight)
             x = x + a * gated(m1, x.dtype)
             h = linear(gelu_mul(linear(modulated_norm(x, m2, n2.eps), self.gate_up.weight)), self.down.weight)
             return x + h * gated(m2, x.dtype), k, v
         q, k, v = rms_norm_qkv_rope(
             x, n1.scale(), n1.eps, self.qkv_weight(), pos0, inv_freq, self.heads, self.kv_heads, kv_out
         )
-        x = add_matmul(x, attention(q, k, v, own_mask, context).reshape(n, t, -1), self.o.weight)
+        x = add_matmul(x, attention_long.attention(q, k, v, own_mask, context).reshape(n, t, -1), self.o.weight)
         x = add_matmul(x, rms_norm_geglu(x, n2.scale(), n2.eps, self.gate_up.weight), self.down.weight)
         return x, k, v
 
