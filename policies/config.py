@@ -204,4 +204,37 @@ def pi0(vocab: Sequence[str]) -> PolicyConfig:
     )
 
 
-PRESETS = {"tiny": tiny, "pi0": pi0}
+def lerobot_pi0(vocab: Sequence[str] = ()) -> PolicyConfig:
+    """LeRobot's pi0 at full size, as :mod:`flashrt.policies.convert` writes it from a
+    ``gemma_2b`` / ``gemma_300m`` checkpoint (3 cameras at 224x224, 48 tokens of PaliGemma's
+    257 152-piece vocabulary): ``pi0``'s shapes with pi0's exact computation (images then
+    language in one block, the state as the expert's first token, Gemma's ``1 + w`` norms,
+    mean/std normalisation). Random weights: for latency work (``vocab`` is unused)."""
+    return replace(
+        pi0(()),
+        prefix_order="images_first",
+        state_token="suffix",
+        norm_plus_one=True,
+        time_dtype="float32",
+        state_norm="mean_std",
+        action_norm="mean_std",
+        tokenizer="paligemma",
+        vocab_size=257152,
+        vision_norm_eps=1e-6,
+    )
+
+
+def lerobot_pi05(vocab: Sequence[str] = ()) -> PolicyConfig:
+    """LeRobot's pi0.5 at full size: :func:`lerobot_pi0` with 200 prompt tokens holding the
+    discretised state, adaptive-RMSNorm time conditioning and quantile normalisation."""
+    return replace(
+        lerobot_pi0(()),
+        max_text_len=200,
+        state_token="text",
+        time_cond="adarms",
+        state_norm="quantiles",
+        action_norm="quantiles",
+    )
+
+
+PRESETS = {"tiny": tiny, "pi0": pi0, "lerobot_pi0": lerobot_pi0, "lerobot_pi05": lerobot_pi05}

@@ -21,7 +21,15 @@ run:
   inside one replay of the kernels graph by marginal time (what each adds to the chain when
   dependent launches overlap).
 
+``lerobot_pi0`` / ``lerobot_pi05`` (``--exact``) are LeRobot's pi0 / pi0.5 at full size with
+their exact computation (what the converter produces; random weights): images then language in
+one block encoded per observation, so their step is the observation encode and the denoising
+over static buffers (image, state, prompt, block-B keys/values, noise, actions) of their own,
+recorded and replayed the same way.
+
     python scripts/bench_policy.py --out bench_policy.json
+    python scripts/bench_policy.py --tiny-batches --pi0-batches --exact lerobot_pi0 lerobot_pi05 \
+        --exact-batches 1 8 64 --compile lerobot_pi0:1 --out bench_policy_exact.json
 """
 
 from __future__ import annotations
@@ -39,8 +47,65 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from flashrt import kernels
 from flashrt.policies import PRESETS, FlowPolicy, PolicyPipeline, policy_specs, tokenizer_for
-from flashrt.runtime import BufferSet, Graph
+from flashrt.runtime import BufferSet, Graph, slot
 from flashrt_gym.tasks import TabletopConfig
+
+EXACT = ("lerobot_pi0", "lerobot_pi05")
+
+
+def exact_rig(model: FlowPolicy, n: int) -> tuple[BufferSet, Callable[[], None], Callable[[], torch.Tensor]]:
+    """A pi0-exact (``images_first``) policy step over static buffers: the buffers, the step (the
+    observation encode into ``kv``, then the denoising into ``actions``) and a compiled pure
+    version of it (``torch.compile``'s baseline)."""
+    c = model.eval().requires_grad_(False).cfg
+    bufs = BufferSet(
+        [
+            slot("image", (c.num_cameras, c.image_size, c.image_size, 3), torch.uint8),
+            slot("proprio", (c.proprio_dim,)),
+            slot("text_ids", (c.max_text_len,), torch.int64),
+            slot("text_mask", (c.max_text_len,), torch.bool),
+            slot("kv", (c.depth, 2, c.kv_heads, c.frame_tokens, c.head_dim), model.dtype),
+            slot("noise", (c.horizon, c.action_dim)),
+            slot("actions", (c.horizon, c.action_dim)),
+        ],
+        n,
+        "cuda",
+        deployment="bench",
+    )
+    bufs["image"].random_(0, 256)
+    bufs["proprio"].uniform_(-1, 1)
+    bufs["text_ids"].random_(4, c.embed_rows)
+    bufs["text_mask"].copy_(torch.arange(c.max_text_len, device="cuda") < c.max_text_len * 2 // 3)  # padded prompt
+    bufs["noise"].normal_()
+    frame = torch.zeros(n, dtype=torch.int64, device="cuda")
+    valid = torch.ones(n, dtype=torch.bool, device="cuda")
+
+    @torch.no_grad()
+    def step() -> None:
+        text = (bufs["text_ids"], bufs["text_mask"])
+        model.encode_frame(bufs["image"], bufs["proprio"], frame, [], kv_out=bufs["kv"], text=text)
+        prefix = [(bufs["kv"], model.frame_mask(valid, bufs["text_mask"]))]
+        bufs["actions"].copy_(model.sample(bufs["noise"], prefix, frame))
+
+    def pure(image, proprio, ids, mask, noise):
+        kv, _ = model.encode_frame(image, proprio, frame, [], text=(ids, mask))
+        return model.sample(noise, [(kv, model.frame_mask(valid, mask))], frame)
+
+    compiled = torch.compile(pure, mode="reduce-overhead")
+    args = (bufs["image"], bufs["proprio"], bufs["text_ids"], bufs["text_mask"], bufs["noise"])
+    return bufs, step, lambda: compiled(*args)
+
+
+def pipeline_rig(model: FlowPolicy, n: int) -> tuple[BufferSet, Callable[[], None], Callable[[], torch.Tensor]]:
+    """The policy step of a pipeline preset: its buffers, the step (encode the observation,
+    denoise) and the compiled pure version of it."""
+    p = make_pipeline(model, n)
+
+    def step() -> None:
+        p.encode_observation()
+        p.denoise()
+
+    return p.bufs, step, pure_step(model, p)
 
 
 def make_pipeline(model: FlowPolicy, n: int) -> PolicyPipeline:
@@ -115,10 +180,11 @@ def nbytes(module: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in module.parameters())
 
 
-def floors(model: FlowPolicy, p: PolicyPipeline, n: int, step: Callable[[], None], rates: dict) -> dict:
+def floors(model: FlowPolicy, n: int, step: Callable[[], None], rates: dict) -> dict:
     """The step's floors (see the module docstring), in ms."""
     c = model.cfg
     encode = nbytes(model) - nbytes(model.expert) - sum(nbytes(m) for m in (model.action_in, model.time_in))
+    encode -= nbytes(model.text_embed)  # a table the step looks a few rows up in (pi0's: 1 GB)
     per_euler = nbytes(model.expert) + n * c.depth * 2 * c.kv_heads * c.prefix_tokens * c.head_dim * 2
     moved = encode + c.steps * per_euler
     with kernels.reference_only(), FlopCounterMode(display=False, custom_mapping=FLOP_FORMULAS) as fc:
@@ -134,12 +200,8 @@ def floors(model: FlowPolicy, p: PolicyPipeline, n: int, step: Callable[[], None
 def bench(preset: str, n: int, reps: int, do_compile: bool, rates: dict) -> dict:
     torch.manual_seed(0)
     with torch.device("cuda"):
-        model = FlowPolicy(PRESETS[preset](TabletopConfig().vocabulary)).to(torch.bfloat16)
-    p = make_pipeline(model, n)
-
-    def step() -> None:
-        p.encode_observation()
-        p.denoise()
+        model = FlowPolicy(PRESETS[preset](TabletopConfig().vocabulary)).to(torch.bfloat16).eval()
+    bufs, step, compiled = (exact_rig if preset in EXACT else pipeline_rig)(model, n)
 
     rec: dict = {"preset": preset, "batch": n, "params_M": sum(x.numel() for x in model.parameters()) / 1e6}
     t = time.perf_counter()
@@ -150,7 +212,7 @@ def bench(preset: str, n: int, reps: int, do_compile: bool, rates: dict) -> dict
     for name, mode in (("reference", kernels.reference_only), ("kernels", contextlib.nullcontext)):
         with mode():
             rec[f"{name}_nodes"] = count_kernels(step)
-            g = Graph(f"{preset}-step-{name}").bind(p.bufs)
+            g = Graph(f"{preset}-step-{name}").bind(bufs)
             t = time.perf_counter()
             g.capture(n, step)
             torch.cuda.synchronize()
@@ -160,12 +222,12 @@ def bench(preset: str, n: int, reps: int, do_compile: bool, rates: dict) -> dict
             rec["graph_top_kernels"] = graph_kernels(lambda g=g: g.replay(n))
         del g
     rec["graph_chunks_per_s"] = n / rec["kernels_graph_ms"] * 1e3
-    rec.update(floors(model, p, n, step, rates))
+    rec.update(floors(model, n, step, rates))
     rec["launch_floor_ms"] = rec["kernels_nodes"] * rates["node_us"] / 1e3
     rec["top_kernels"] = top_kernels(step)
     if do_compile:
         with kernels.reference_only():
-            fn = pure_step(model, p)
+            fn = compiled
             t = time.perf_counter()
             for _ in range(3):  # compile, record, then a first replay
                 fn()
@@ -179,19 +241,22 @@ def bench(preset: str, n: int, reps: int, do_compile: bool, rates: dict) -> dict
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=Path("bench_policy.json"))
-    ap.add_argument("--tiny-batches", type=int, nargs="+", default=[1, 16, 256, 1024])
+    ap.add_argument("--tiny-batches", type=int, nargs="*", default=[1, 16, 256, 1024])
     ap.add_argument("--pi0-batches", type=int, nargs="*", default=[1])
+    ap.add_argument("--exact", nargs="*", default=[], choices=EXACT, help="pi0-exact presets to run")
+    ap.add_argument("--exact-batches", type=int, nargs="*", default=[1, 8, 64])
     ap.add_argument("--compile", nargs="*", default=["tiny:1", "tiny:256"], help="preset:batch pairs to compile")
     ap.add_argument("--reps", type=int, default=50)
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_policy.py measures GPU latency: run it on a machine with a CUDA GPU")
     runs = [("tiny", n) for n in args.tiny_batches] + [("pi0", n) for n in args.pi0_batches]
+    runs += [(preset, n) for preset in args.exact for n in args.exact_batches]
     rates = gpu_rates()
     print("rates", json.dumps(rates), flush=True)
     rows = []
     for preset, n in runs:
-        reps = args.reps if preset == "tiny" else max(5, args.reps // 5)
+        reps = args.reps if preset == "tiny" else max(5, args.reps // 5)  # pi0-sized steps take ms
         rows.append(bench(preset, n, reps, f"{preset}:{n}" in args.compile, rates))
         torch.cuda.empty_cache()
         print(json.dumps(rows[-1]), flush=True)
