@@ -3,18 +3,19 @@
 from flashrt.policies.config import PRESETS, PolicyConfig, pi0, tiny
 from flashrt.policies.convert import ConversionError, convert_lerobot
 from flashrt.policies.model import FlowPolicy
-from flashrt.policies.pipeline import STAGES, PolicyPipeline, deployment_digest, policy_specs
+from flashrt.policies.pipeline import InstructionTable, PolicyPipeline, PolicyState, deployment_digest, policy_specs
 from flashrt.policies.tokenizer import PaliGemmaTokenizer, WordTokenizer
 from flashrt.policies.weights import WeightsError, load, save, tokenizer_for
 
 __all__ = [
     "PRESETS",
-    "STAGES",
     "ConversionError",
     "FlowPolicy",
+    "InstructionTable",
     "PaliGemmaTokenizer",
     "PolicyConfig",
     "PolicyPipeline",
+    "PolicyState",
     "WeightsError",
     "WordTokenizer",
     "convert_lerobot",

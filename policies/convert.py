@@ -247,7 +247,7 @@ def convert_lerobot(
         "source": str(src.resolve()),
         "config": asdict(cfg) | {"vocab": []},
     }
-    atomic_write(dst / "source.json", lambda p: Path(p).write_text(json.dumps(source, indent=1) + "\n"))
+    atomic_write(dst / "source.json", lambda f: f.write((json.dumps(source, indent=1) + "\n").encode()))
     return dst
 
 

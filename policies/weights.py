@@ -14,7 +14,8 @@ import os
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
+from safetensors.torch import save as save_bytes
 
 from flashrt.policies.config import PolicyConfig
 from flashrt.policies.model import FlowPolicy
@@ -55,12 +56,12 @@ def save(model: FlowPolicy, folder: str | os.PathLike, *, dtype: torch.dtype = t
         for k, v in model.state_dict().items()
     }
     tok = tokenizer_for(model)
-    atomic_write(folder / WEIGHTS, lambda p: save_file(tensors, p, metadata={"format": "flashrt-policy/1"}))
-    atomic_write(folder / CONFIG, lambda p: Path(p).write_text(model.cfg.to_json()))
+    atomic_write(folder / WEIGHTS, lambda f: f.write(save_bytes(tensors, metadata={"format": "flashrt-policy/1"})))
+    atomic_write(folder / CONFIG, lambda f: f.write(model.cfg.to_json().encode()))
     if isinstance(tok, PaliGemmaTokenizer):
-        atomic_write(folder / SENTENCEPIECE, lambda p: Path(p).write_bytes(tok.model_proto))
+        atomic_write(folder / SENTENCEPIECE, lambda f: f.write(tok.model_proto))
     else:
-        atomic_write(folder / TOKENIZER, lambda p: Path(p).write_text(tok.to_json()))
+        atomic_write(folder / TOKENIZER, lambda f: f.write(tok.to_json().encode()))
     return folder
 
 

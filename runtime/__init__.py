@@ -17,7 +17,7 @@ from flashrt.runtime.capsule import (
     snapshot,
 )
 from flashrt.runtime.files import atomic_write
-from flashrt.runtime.graphs import Graph, MissingVariantError, ReallocatedBufferError
+from flashrt.runtime.graphs import Graph, MissingVariantError
 from flashrt.runtime.registry import CapsuleRegistry, RegistryStats
 from flashrt.runtime.slots import copy_rows, masked_restore
 from flashrt.runtime.streams import Event, Stream
@@ -37,7 +37,6 @@ __all__ = [
     "Graph",
     "LayoutMismatchError",
     "MissingVariantError",
-    "ReallocatedBufferError",
     "RegistryStats",
     "Stream",
     "atomic_write",

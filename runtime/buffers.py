@@ -29,8 +29,6 @@ from typing import Literal
 
 import torch
 
-from flashrt.runtime.streams import Event, Stream
-
 ALIGN = 64
 """Byte alignment of every buffer offset and of the slot row length."""
 
@@ -188,6 +186,9 @@ class BufferSet(Mapping[str, torch.Tensor]):
 
     def _view(self, p: Placement) -> torch.Tensor:
         s = p.spec
+        if s.nbytes == 0:  # no bytes to view (a dtype view of an empty span is refused)
+            lead = (self.num_slots,) if s.kind == "slot" else ()
+            return torch.empty((*lead, *s.shape), dtype=s.dtype, device=self.device)
         if s.kind == "slot":
             raw = self.slot_arena[:, p.offset : p.offset + s.nbytes]
             return raw.view(s.dtype).view(self.num_slots, *s.shape)
@@ -236,10 +237,6 @@ class BufferSet(Mapping[str, torch.Tensor]):
         ``num_slots`` so that slot capsules move between variants of one deployment."""
         return self._layout_digest
 
-    def data_ptrs(self) -> dict[str, int]:
-        """Current data pointer of every buffer (the debug check of :class:`flashrt.runtime.Graph`)."""
-        return {n: t.data_ptr() for n, t in self._tensors.items()}
-
     def clone(self, names: Sequence[str], device: torch.device | str | None = None) -> dict[str, torch.Tensor]:
         """Copies of the named ``shared`` or ``scratch`` buffers (of one arena), made by one copy
         of the arena's byte span that holds them all (on ``device``, default the set's): declare
@@ -262,32 +259,3 @@ class BufferSet(Mapping[str, torch.Tensor]):
             n: span[p.offset - lo : p.offset - lo + p.spec.nbytes].view(p.spec.dtype).view(p.spec.shape)
             for n, p in zip(names, places, strict=True)
         }
-
-    # -- whole-set operations ---------------------------------------------------------------
-    def zero_(self) -> BufferSet:
-        """Zero every arena in place."""
-        for a in (self.slot_arena, self.shared_arena, self.scratch_arena):
-            a.zero_()
-        return self
-
-    def mirror(self, device: torch.device | str, *, pin_memory: bool = True) -> BufferSet:
-        """A new, zeroed set with the same layout and deployment on another device."""
-        return BufferSet(self.specs, self.num_slots, device, pin_memory=pin_memory, deployment=self.deployment)
-
-    def copy_from(self, src: BufferSet, *, stream: Stream | None = None) -> Event:
-        """Copy the live state (slot and shared arenas) of ``src`` into this set.
-
-        Asynchronous when one side is pinned host memory and the other a CUDA device; the
-        returned event completes when the copy has landed. Both sets must share a layout.
-        """
-        if (src.layout_digest, src.num_slots) != (self.layout_digest, self.num_slots):
-            raise ValueError(
-                "copy_from needs two sets of one layout and slot count "
-                f"(got {src.layout_digest}/{src.num_slots} -> {self.layout_digest}/{self.num_slots}); "
-                "make the destination with src.mirror(device)"
-            )
-        stream = stream or Stream.current(self.device if self.device.type == "cuda" else src.device)
-        with stream:
-            self.slot_arena.copy_(src.slot_arena, non_blocking=True)
-            self.shared_arena.copy_(src.shared_arena, non_blocking=True)
-            return Event.record_on(stream)

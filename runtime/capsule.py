@@ -8,98 +8,49 @@ Verbs (all byte copies; nothing is recomputed or recaptured):
 - :func:`rollback` restores an earlier boundary of the same buffer set.
 
 A capsule lives in one tier at a time: ``gpu`` (the origin device), ``host`` (pinned memory,
-asynchronous copies) or ``disk`` (a safetensors file written atomically: one tensor per buffer
-plus the descriptor and a SHA-256 of the data as metadata, verified on load).
+asynchronous copies) or ``disk`` (a safetensors file written atomically, its descriptor and data
+under one checksum verified on load: :mod:`flashrt.runtime.capsule_file`). A capsule's bytes are
+never written in place once taken: a move between tiers makes new tensors, so two capsule
+objects may share bytes safely.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import operator
 import os
 from array import array
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import safe_open, save_file
 
-from flashrt.runtime.buffers import ALIGN, BufferSet, BufferSpec, dtype_from_name, dtype_name
-from flashrt.runtime.files import atomic_write
+from flashrt.runtime import capsule_file
+from flashrt.runtime.buffers import BufferSet, BufferSpec, dtype_from_name, dtype_name
+from flashrt.runtime.descriptor import (
+    DTYPES,
+    CapsuleError,
+    CapsuleFileError,
+    DeploymentMismatchError,
+    Descriptor,
+    Entry,
+    LayoutMismatchError,
+    align,
+)
 from flashrt.runtime.slots import copy_rows
 from flashrt.runtime.streams import Event, Stream
 
 Tier = Literal["gpu", "host", "disk"]
 TIERS: tuple[Tier, ...] = ("gpu", "host", "disk")
-FORMAT = "flashrt-capsule/1"
-
-
-class CapsuleError(ValueError):
-    """A capsule cannot be used as asked; the message names the mismatch and the fix."""
-
-
-class DeploymentMismatchError(CapsuleError):
-    """The capsule was made by another deployment (weights, config, kernels)."""
-
-
-class LayoutMismatchError(CapsuleError):
-    """The capsule's buffers do not match the target set's names, shapes, dtypes or kinds."""
-
-
-class CapsuleFileError(CapsuleError):
-    """A capsule file is missing, truncated, corrupted or not a capsule."""
-
-
-@dataclass(frozen=True)
-class Entry:
-    """One buffer in a capsule: what it is and where its bytes sit in the capsule."""
-
-    name: str
-    kind: str
-    shape: tuple[int, ...]
-    dtype: str
-    offset: int  # within a capsule row (slot buffers) or the shared bytes (shared buffers)
-    nbytes: int  # per slot for slot buffers
-
-
-@dataclass(frozen=True)
-class Descriptor:
-    """Everything needed to check a capsule against a target before any byte moves."""
-
-    entries: tuple[Entry, ...]
-    layout: str  # layout digest of the origin set
-    deployment: str  # owner-supplied deployment digest
-    slots: tuple[int, ...] | None  # origin slots, in row order; None = the whole set
-    num_rows: int  # captured slots (rows)
-    row_bytes: int
-    shared_bytes: int
-    meta: dict[str, Any] = field(default_factory=dict)
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self), sort_keys=True)
-
-    @classmethod
-    def from_json(cls, text: str) -> Descriptor:
-        d = json.loads(text)
-        d["entries"] = tuple(Entry(**{**e, "shape": tuple(e["shape"])}) for e in d["entries"])
-        d["slots"] = None if d["slots"] is None else tuple(d["slots"])
-        d["meta"] = d.get("meta") or {}
-        return cls(**d)
-
-    @property
-    def digest(self) -> str:
-        """Deployment + layout: what a restore target must match."""
-        return hashlib.sha256(f"{self.deployment}|{self.layout}".encode()).hexdigest()[:16]
+FORMAT = capsule_file.FORMAT
 
 
 class Capsule:
     """A committed boundary: a descriptor plus the bytes, in one tier.
 
-    Build capsules with :func:`snapshot` or :meth:`load`; move them with :meth:`to`.
+    Build capsules with :func:`snapshot` or :meth:`load`; move them with :meth:`to`; read one
+    buffer with :meth:`tensor`.
 
     Attributes:
         descriptor: names, shapes, dtypes, slots, owner metadata and digests.
@@ -130,7 +81,7 @@ class Capsule:
         self.origin = origin
         self.path = path
         self.ready = ready or Event()
-        self.checked_for: set[str] = set()  # uids of the buffer sets this capsule was checked against
+        self.checked_for: str | None = None  # uid of the last buffer set this capsule was checked against
 
     @property
     def meta(self) -> dict[str, Any]:
@@ -150,6 +101,35 @@ class Capsule:
         slots = "all" if self.slots is None else list(self.slots)
         return f"Capsule({len(self.descriptor.entries)} buffers, slots={slots}, {self.nbytes} B, tier={self.tier})"
 
+    def tensor(self, name: str) -> torch.Tensor:
+        """A typed view of one buffer's bytes in the capsule, without a copy: ``(k, *shape)``
+        for a slot buffer (row i is the capsule's i-th slot), ``shape`` for a shared one.
+
+        For owners that check what a capsule carries before restoring it. The view is ordered
+        after the capsule's own copy (the current stream waits for it; a host-tier capsule is
+        waited for on the host). Read it, never write it: capsule bytes may be shared.
+        """
+        e = next((e for e in self.descriptor.entries if e.name == name), None)
+        if e is None:
+            names = [e.name for e in self.descriptor.entries]
+            raise KeyError(f"the capsule holds no buffer {name!r}; it holds {names}")
+        if self.tier == "disk":
+            raise CapsuleError(
+                f"the capsule is on disk ({self.path}); bring it into memory first, e.g. capsule.to('host'), "
+                "or load it with Capsule.load"
+            )
+        assert self.rows is not None and self.shared is not None
+        if self.tier == "host":
+            self.ready.synchronize()
+        else:
+            Stream.current(self.device).wait(self.ready)
+        dtype = dtype_from_name(e.dtype)
+        shape = (self.rows.shape[0], *e.shape) if e.kind == "slot" else e.shape
+        if e.nbytes == 0:  # nothing to view (a dtype view of an empty span is refused)
+            return torch.empty(shape, dtype=dtype, device=self.rows.device)
+        raw = self.rows[:, e.offset : e.offset + e.nbytes] if e.kind == "slot" else self.shared[e.offset :][: e.nbytes]
+        return raw.view(dtype).view(shape)
+
     # -- tiers -------------------------------------------------------------------------------
     def to(self, tier: Tier, *, path: str | os.PathLike | None = None, stream: Stream | None = None) -> Capsule:
         """Move the capsule to ``tier`` in place and return it.
@@ -159,111 +139,106 @@ class Capsule:
         was saved before, and frees the in-memory bytes; leaving ``disk`` reads and verifies the
         file.
         """
+        moved = self.moved(tier, path=path, stream=stream)
+        self.rows, self.shared, self.tier, self.path, self.ready = (
+            moved.rows,
+            moved.shared,
+            moved.tier,
+            moved.path,
+            moved.ready,
+        )
+        return self
+
+    def moved(self, tier: Tier, *, path: str | os.PathLike | None = None, stream: Stream | None = None) -> Capsule:
+        """A new capsule object holding this one's boundary in ``tier``; this one is unchanged
+        (its ``path`` too). See :meth:`to` for what each move does. The same tier gives a new
+        object over the same bytes: what a holder that must not be disturbed by moves of the
+        other object keeps (a registry entry)."""
         if tier not in TIERS:
             raise ValueError(f"tier must be one of {TIERS}, got {tier!r}")
+        d, out = self.descriptor, None
         if tier == self.tier:
-            return self
-        if tier == "disk":
+            out = Capsule(d, self.rows, self.shared, tier=tier, device=self.device, path=self.path, ready=self.ready)
+        elif tier == "disk":
             target = Path(path) if path is not None else self.path
             if target is None:
                 raise ValueError("moving a capsule to the disk tier needs path=...")
-            self.save(target)
-            self.rows = self.shared = None
-            self.tier = "disk"
-            return self
-        if self.tier == "disk":
-            loaded = Capsule.load(self.path, device=self.device, tier=tier)  # type: ignore[arg-type]
-            if loaded.descriptor != self.descriptor:
-                raise CapsuleFileError(f"{self.path} now holds another capsule; it was replaced on disk")
-            self.rows, self.shared, self.ready = loaded.rows, loaded.shared, loaded.ready
-            self.tier = tier
-            return self
-        assert self.rows is not None and self.shared is not None
-        target_device = self.device if tier == "gpu" else torch.device("cpu")
-        stream = stream or Stream.current(self.device)
-        with stream:
-            stream.wait(self.ready)
-            self.rows = _to_device(self.rows, target_device)
-            self.shared = _to_device(self.shared, target_device)
-            self.ready = Event.record_on(stream)
-        self.tier = tier
-        return self
+            self._write(target)
+            out = Capsule(d, None, None, tier="disk", device=self.device, path=target)
+        elif self.tier == "disk":
+            out = _loaded(self, self.device, tier)
+            out.path = self.path
+        else:
+            assert self.rows is not None and self.shared is not None
+            target_device = self.device if tier == "gpu" else torch.device("cpu")
+            stream = stream or Stream.current(self.device)
+            with stream:
+                stream.wait(self.ready)
+                rows, shared = _to_device(self.rows, target_device), _to_device(self.shared, target_device)
+                ready = Event.record_on(stream)
+            out = Capsule(d, rows, shared, tier=tier, device=self.device, path=self.path, ready=ready)
+        out.origin, out.checked_for = self.origin, self.checked_for
+        return out
 
     # -- disk --------------------------------------------------------------------------------
     def save(self, path: str | os.PathLike) -> Path:
-        """Write the capsule to a safetensors file atomically (temp file, fsync, rename).
-
-        One tensor per buffer (slot buffers as ``(k, *shape)``), the descriptor and a SHA-256
-        of the tensors' bytes as metadata. An interrupted write leaves no file at ``path``.
+        """Write the capsule to a safetensors file atomically (one temporary file beside it,
+        fsync, rename): one tensor per buffer (slot buffers as ``(k, *shape)``) and the
+        descriptor under one SHA-256 (:mod:`flashrt.runtime.capsule_file`). An interrupted
+        write leaves no file at ``path`` and the old one, if any, intact.
         """
         path = Path(path)
         if self.tier == "disk":
             if self.path is not None and self.path.resolve() != path.resolve():
-                raise ValueError(f"capsule is on disk at {self.path}; promote it before saving elsewhere")
+                raise ValueError(
+                    f"capsule is on disk at {self.path}; promote it (capsule.to('host')) before saving elsewhere"
+                )
             return path
-        self.ready.synchronize()
-        tensors = self._typed_tensors()
-        meta = {
-            "format": FORMAT,
-            "descriptor": self.descriptor.to_json(),
-            "sha256": _checksum(tensors, self.descriptor),
-        }
-        atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata=meta))
+        self._write(path)
         self.path = path
         return path
+
+    def _write(self, path: Path) -> None:
+        d = self.descriptor
+        odd = [f"{e.name} ({e.dtype})" for e in d.entries if e.dtype not in DTYPES or e.name == "__metadata__"]
+        if odd:
+            raise CapsuleError(
+                f"a capsule file cannot hold buffers {odd}: it holds the dtypes {sorted(DTYPES)} under any name "
+                "but '__metadata__'; keep this capsule in memory or change those buffers"
+            )
+        assert self.rows is not None and self.shared is not None
+        self.ready.synchronize()
+        capsule_file.save(path, d, self.rows.cpu(), self.shared.cpu())
 
     @classmethod
     def load(cls, path: str | os.PathLike, *, device: torch.device | str = "cpu", tier: Tier = "gpu") -> Capsule:
         """Read and verify a capsule file. ``tier="gpu"`` puts the bytes on ``device``,
-        ``"host"`` in (pinned) host memory. Raises :class:`CapsuleFileError` if the file is
-        missing, truncated, corrupted or not a capsule."""
+        ``"host"`` in (pinned, with CUDA) host memory. Raises :class:`CapsuleFileError` if the
+        file is missing, truncated, corrupted, of an older format or not a capsule; nothing is
+        allocated beyond the file's size until the file has been verified."""
+        if tier not in ("gpu", "host"):
+            raise ValueError(f"load into the 'gpu' or 'host' tier, got {tier!r}")
         path, device = Path(path), torch.device(device)
-        if not path.is_file():
-            raise CapsuleFileError(f"no capsule file at {path}")
-        try:
-            with safe_open(str(path), framework="pt") as f:
-                meta = f.metadata() or {}
-                if meta.get("format") != FORMAT:
-                    raise CapsuleFileError(
-                        f"{path} is a safetensors file but not a {FORMAT} capsule (format={meta.get('format')!r})"
-                    )
-                desc = Descriptor.from_json(meta["descriptor"])
-                tensors = {e.name: f.get_tensor(e.name) for e in desc.entries}
-        except (SafetensorError, OSError, KeyError, json.JSONDecodeError, TypeError) as e:
-            raise CapsuleFileError(f"{path} is not a readable capsule (truncated or corrupted?): {e}") from e
-        if _checksum(tensors, desc) != meta.get("sha256"):
-            raise CapsuleFileError(f"{path}: checksum mismatch, the file is corrupted; take a new snapshot")
-        k = desc.num_rows
-        rows = torch.zeros((k, desc.row_bytes), dtype=torch.uint8)
-        shared = torch.zeros((desc.shared_bytes,), dtype=torch.uint8)
-        for e in desc.entries:
-            t = tensors[e.name]
-            if tuple(t.shape[1:] if e.kind == "slot" else t.shape) != e.shape or dtype_name(t.dtype) != e.dtype:
-                raise CapsuleFileError(f"{path}: tensor {e.name!r} does not match its descriptor")
-            raw = t.contiguous().reshape(-1).view(torch.uint8)
-            if e.kind == "slot":
-                rows[:, e.offset : e.offset + e.nbytes] = raw.reshape(k, e.nbytes)
-            else:
-                shared[e.offset : e.offset + e.nbytes] = raw.reshape(-1)
-        target = device if tier == "gpu" else torch.device("cpu")
+        desc, data = capsule_file.read(path)
+        rows, shared = capsule_file.unpack(desc, data, pin_memory=tier == "host" and device.type == "cuda")
+        del data
         stream = Stream.current(device)
         with stream:
-            rows, shared = _to_device(rows, target), _to_device(shared, target)
+            if tier == "gpu":
+                rows, shared = rows.to(device, non_blocking=True), shared.to(device, non_blocking=True)
             ready = Event.record_on(stream)
         return cls(desc, rows, shared, tier=tier, device=device, path=path, ready=ready)
 
-    def _typed_tensors(self) -> dict[str, torch.Tensor]:
-        assert self.rows is not None and self.shared is not None
-        rows, shared = self.rows.cpu(), self.shared.cpu()
-        out = {}
-        for e in self.descriptor.entries:
-            dt = dtype_from_name(e.dtype)
-            if e.kind == "slot":
-                raw = rows[:, e.offset : e.offset + e.nbytes].contiguous()
-                out[e.name] = raw.view(dt).reshape(rows.shape[0], *e.shape)
-            else:
-                out[e.name] = shared[e.offset : e.offset + e.nbytes].view(dt).reshape(e.shape).clone()
-        return out
+
+def _loaded(capsule: Capsule, device: torch.device, tier: Tier = "gpu") -> Capsule:
+    """The bytes of a disk-tier capsule, read and verified, in ``tier`` on ``device``."""
+    loaded = Capsule.load(capsule.path, device=device, tier=tier)  # type: ignore[arg-type]
+    if loaded.descriptor != capsule.descriptor:
+        raise CapsuleFileError(
+            f"{capsule.path} now holds another capsule than the one saved there (it was replaced on disk); "
+            "take a new snapshot"
+        )
+    return loaded
 
 
 def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -277,13 +252,6 @@ def _copy_to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A new tensor with ``t``'s bytes on ``device`` (never an alias of ``t``)."""
     out = _to_device(t, device)
     return t.clone() if out.data_ptr() == t.data_ptr() else out
-
-
-def _checksum(tensors: dict[str, torch.Tensor], desc: Descriptor) -> str:
-    h = hashlib.sha256()
-    for e in desc.entries:
-        h.update(tensors[e.name].contiguous().reshape(-1).view(torch.uint8).numpy())
-    return h.hexdigest()
 
 
 # -- verbs ---------------------------------------------------------------------------------------
@@ -349,7 +317,7 @@ def snapshot(
             sh = [n for n in chosen if bufs.placements[n].spec.kind == "shared"]
             if sh:
                 raise ValueError(f"snapshot: shared buffers {sh} have no slots; snapshot them with slots=None")
-    json.dumps(meta or {})  # fail now, not at save time, if the metadata cannot be stored
+    meta = _json_meta(meta)
     slot_tuple = None if slots is None else _slot_index(bufs, slots, "snapshot")
 
     # A kind whose buffers are all chosen keeps the arena's own layout (one copy each way);
@@ -360,7 +328,7 @@ def snapshot(
         p = bufs.placements[n]
         s: BufferSpec = p.spec
         off = p.offset if whole[s.kind] else packed[s.kind]
-        packed[s.kind] += -(-s.nbytes // ALIGN) * ALIGN
+        packed[s.kind] += align(s.nbytes)
         entries.append(Entry(n, s.kind, s.shape, dtype_name(s.dtype), off, s.nbytes))
     row_bytes = bufs.row_bytes if whole["slot"] else packed["slot"]
     shared_bytes = bufs.shared_arena.numel() if whole["shared"] else packed["shared"]
@@ -373,7 +341,7 @@ def snapshot(
         num_rows,
         row_bytes,
         shared_bytes,
-        dict(meta or {}),
+        meta,
     )
     target = bufs.device if tier == "gpu" else torch.device("cpu")
 
@@ -389,15 +357,29 @@ def snapshot(
     return Capsule(desc, rows, shared.view(-1), tier=tier, device=bufs.device, origin=bufs.uid, ready=ready)
 
 
+def _json_meta(meta: dict[str, Any] | None) -> dict[str, Any]:
+    """``meta`` as it reads back from a file (fail now, not at save time, if it cannot be stored)."""
+    if meta is None:
+        return {}
+    if not isinstance(meta, dict):
+        raise TypeError(f"snapshot: meta must be a dict, got {type(meta).__name__}")
+    try:
+        return json.loads(json.dumps(meta, allow_nan=False))
+    except TypeError as e:
+        raise TypeError(
+            f"snapshot: meta must hold JSON values only (str, int, float, bool, None, list, dict): {e}"
+        ) from None
+    except ValueError as e:
+        raise ValueError(f"snapshot: meta cannot hold NaN or infinity (JSON has neither): {e}") from None
+
+
 def _gather(
     bufs: BufferSet, src: torch.Tensor, entries: list[Entry], whole: bool, fresh: bool, target: torch.device
 ) -> torch.Tensor:
     """Capsule bytes of ``entries`` from a 2-D arena (rows x bytes), on ``target``."""
     if whole:
         return _to_device(src, target) if fresh else _copy_to(src, target)
-    out = torch.zeros(
-        (src.shape[0], sum(-(-e.nbytes // ALIGN) * ALIGN for e in entries)), dtype=torch.uint8, device=src.device
-    )
+    out = torch.zeros((src.shape[0], sum(align(e.nbytes) for e in entries)), dtype=torch.uint8, device=src.device)
     for e in entries:
         off = bufs.placements[e.name].offset
         out[:, e.offset : e.offset + e.nbytes] = src[:, off : off + e.nbytes]
@@ -406,7 +388,7 @@ def _gather(
 
 def check(bufs: BufferSet, capsule: Capsule) -> None:
     """Raise if ``capsule`` cannot be restored into ``bufs`` (deployment or layout mismatch)."""
-    if bufs.uid in capsule.checked_for:
+    if capsule.checked_for == bufs.uid:
         return
     d = capsule.descriptor
     if d.deployment != bufs.deployment:
@@ -414,15 +396,26 @@ def check(bufs: BufferSet, capsule: Capsule) -> None:
             f"capsule was made by deployment {d.deployment!r}, this buffer set is {bufs.deployment!r} "
             "(different model config, weights or kernel version); restore it where it was made"
         )
+    whole = _whole(bufs, d)
     for e in d.entries:
         if e.name not in bufs:
-            raise LayoutMismatchError(f"capsule buffer {e.name!r} does not exist in the target set")
+            raise LayoutMismatchError(
+                f"capsule buffer {e.name!r} does not exist in the target set; restore it into a set of its layout"
+            )
         s = bufs.placements[e.name].spec
         got = (e.kind, e.shape, e.dtype)
         want = (s.kind, s.shape, dtype_name(s.dtype))
         if got != want:
-            raise LayoutMismatchError(f"buffer {e.name!r}: capsule has (kind, shape, dtype) {got}, target has {want}")
-    capsule.checked_for.add(bufs.uid)  # a set never changes layout: check each pair once
+            raise LayoutMismatchError(
+                f"buffer {e.name!r}: capsule has (kind, shape, dtype) {got}, target has {want}; restore it into a "
+                "set that declares the buffer the same way"
+            )
+        if whole[e.kind] and e.offset != bufs.placements[e.name].offset:
+            raise LayoutMismatchError(
+                f"buffer {e.name!r}: the capsule claims this set's layout but puts the buffer at byte {e.offset}, not "
+                f"{bufs.placements[e.name].offset}; the capsule is inconsistent: take a new snapshot"
+            )
+    capsule.checked_for = bufs.uid  # a set never changes layout: check each pair once
 
 
 def restore(
@@ -449,39 +442,42 @@ def restore(
     """
     check(bufs, capsule)
     d = capsule.descriptor
-    if capsule.tier == "disk":
-        src = Capsule.load(capsule.path, device=bufs.device)  # type: ignore[arg-type]
-        check(bufs, src)
-        rows, shared = src.rows, src.shared
-    else:
-        rows, shared = capsule.rows, capsule.shared
-    assert rows is not None and shared is not None
-    k = rows.shape[0]
     if slots is None and d.slots is None:
         dst = tuple(range(bufs.num_slots))
     else:
         dst = _slot_index(bufs, d.slots if slots is None else slots, "restore")
-    if len(dst) != k:
-        raise ValueError(f"restore: capsule holds {k} slots but {len(dst)} target slots were given")
-
+    if len(dst) != d.num_rows:
+        raise ValueError(
+            f"restore: the capsule holds {d.num_rows} slots but {len(dst)} target slots were given; "
+            "pass one target slot per captured slot"
+        )
+    src = _loaded(capsule, bufs.device) if capsule.tier == "disk" else capsule
+    assert src.rows is not None and src.shared is not None
     stream = stream or Stream.current(bufs.device)
     with stream:
-        stream.wait(capsule.ready)
-        _write(bufs, d, rows, shared, dst)
+        stream.wait(src.ready)
+        _write(bufs, d, src.rows, src.shared, dst)
+
+
+def _whole(bufs: BufferSet, d: Descriptor) -> dict[str, bool]:
+    """Per kind, whether the capsule holds that arena of ``bufs`` byte for byte (this set's layout,
+    every buffer, the arena's size): restoring it is then one copy of the arena."""
+    same = d.layout == bufs.layout_digest
+    names = {k: {e.name for e in d.entries if e.kind == k} for k in ("slot", "shared")}
+    return {
+        "slot": same and d.row_bytes == bufs.row_bytes and names["slot"] == set(bufs.names("slot")),
+        "shared": same and d.shared_bytes == bufs.shared_arena.numel() and names["shared"] == set(bufs.names("shared")),
+    }
 
 
 def _write(bufs: BufferSet, d: Descriptor, rows: torch.Tensor, shared: torch.Tensor, dst: tuple[int, ...]) -> None:
-    same_layout = d.layout == bufs.layout_digest
     by_kind = {k: [e for e in d.entries if e.kind == k] for k in ("slot", "shared")}
+    whole = _whole(bufs, d)
     idx = None if dst == tuple(range(bufs.num_slots)) else _index_tensor(bufs, dst)
-    whole_rows = same_layout and d.row_bytes == bufs.row_bytes
-    whole_rows &= {e.name for e in by_kind["slot"]} == set(bufs.names("slot"))
     if by_kind["slot"]:
-        _scatter(bufs, bufs.slot_arena, idx, rows, by_kind["slot"], whole_rows)
-    whole_shared = same_layout and d.shared_bytes == bufs.shared_arena.numel()
-    whole_shared &= {e.name for e in by_kind["shared"]} == set(bufs.names("shared"))
+        _scatter(bufs, bufs.slot_arena, idx, rows, by_kind["slot"], whole["slot"])
     if by_kind["shared"]:
-        _scatter(bufs, bufs.shared_arena.view(1, -1), None, shared.view(1, -1), by_kind["shared"], whole_shared)
+        _scatter(bufs, bufs.shared_arena.view(1, -1), None, shared.view(1, -1), by_kind["shared"], whole["shared"])
 
 
 def _scatter(
@@ -536,7 +532,7 @@ def fork(
         if src_slot not in origin:
             raise ValueError(f"fork: src_slot {src_slot} is not in the capsule's slots {list(origin)}")
         if src.tier == "disk":
-            src = Capsule.load(src.path, device=bufs.device)  # type: ignore[arg-type]
+            src = _loaded(src, bufs.device)
         assert src.rows is not None and src.shared is not None
         i = origin.index(src_slot)
         with stream:

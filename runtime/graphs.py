@@ -7,8 +7,8 @@ Backends, one interface:
 
 ``cuda``   the callable is warmed up on a side stream, then captured into a
            ``torch.cuda.CUDAGraph`` that draws from the graph's memory pool (shared between
-           all variants, and with other graphs when ``pool`` is passed). Replay launches the
-           recorded kernels; Python in the callable does not run again.
+           its variants). Replay launches the recorded kernels; Python in the callable does
+           not run again.
 ``eager``  replay calls the recorded callable. Same semantics without a GPU: what CI tests,
            and the eager baseline of the benchmarks.
 
@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -42,16 +42,9 @@ class MissingVariantError(LookupError):
     """Replay of a shape key that has not been captured (never a silent eager run)."""
 
 
-class ReallocatedBufferError(RuntimeError):
-    """A bound buffer no longer points where it pointed at capture (debug mode)."""
-
-
 @dataclass
 class _Variant:
-    run: Callable[[], None]
-    owned: bool
-    cuda_graph: torch.cuda.CUDAGraph | None = None
-    ptrs: dict[str, int] = field(default_factory=dict)
+    run: Callable[[], None]  # a bound replay/launch method keeps its captured graphs alive
     held: Callable[[], bool] | None = None
 
 
@@ -62,9 +55,8 @@ class Graph:
         name: for messages.
         backend: ``"cuda"``, ``"eager"``, or ``"auto"`` (CUDA when the bound sets live on a
             CUDA device, eager otherwise).
-        max_variants: table bound; capturing past it evicts the least recently used variant.
-        pool: a ``torch.cuda.graph_pool_handle()`` to share with other graphs (CUDA only).
-        debug: check at every replay that no bound buffer was reallocated since capture.
+        max_variants: table bound; capturing past it evicts the least recently used variant
+            (the one least recently captured or replayed).
 
     Example:
         >>> g = Graph("double")
@@ -79,19 +71,16 @@ class Graph:
         *,
         backend: Backend = "auto",
         max_variants: int = 16,
-        pool: tuple[int, int] | None = None,
-        debug: bool = False,
     ) -> None:
         if backend not in ("auto", "cuda", "eager"):
             raise ValueError(f"backend must be 'auto', 'cuda' or 'eager', got {backend!r}")
-        if max_variants < 1:
-            raise ValueError(f"max_variants must be >= 1, got {max_variants}")
+        if type(max_variants) is not int or max_variants < 1:
+            raise ValueError(f"max_variants must be an int >= 1 (the table's bound), got {max_variants!r}")
         self.name = name
         self.requested_backend: Backend = backend
         self.max_variants = max_variants
-        self.debug = debug
         self.bufs: BufferSet | None = None
-        self._pool = pool
+        self._pool: tuple[int, int] | None = None  # one memory pool for all variants, made at first capture
         self._variants: OrderedDict[Hashable, _Variant] = OrderedDict()
 
     # -- binding -----------------------------------------------------------------------------
@@ -119,9 +108,6 @@ class Graph:
             return self.requested_backend
         return "cuda" if self.device.type == "cuda" else "eager"
 
-    def _ptrs(self) -> dict[str, int]:
-        return {} if self.bufs is None else self.bufs.data_ptrs()
-
     # -- variants ----------------------------------------------------------------------------
     def capture(
         self,
@@ -143,7 +129,7 @@ class Graph:
         hash(key)
         if self.backend == "eager":
             if guard is None:
-                self._put(key, _Variant(run=fn, owned=True, ptrs=self._ptrs()))
+                self._put(key, _Variant(run=fn))
                 return
             ran: list[bool] = [False]
 
@@ -152,7 +138,7 @@ class Graph:
                 if ran[0]:
                     fn()
 
-            self._put(key, _Variant(run=run, owned=True, ptrs=self._ptrs(), held=lambda: ran[0]))
+            self._put(key, _Variant(run=run, held=lambda: ran[0]))
             return
         device = self.device
         if device.type != "cuda":
@@ -173,7 +159,7 @@ class Graph:
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, pool=self._pool, stream=side, capture_error_mode="thread_local"):
                 fn()
-            variant = _Variant(run=g.replay, owned=True, cuda_graph=g)
+            variant = _Variant(run=g.replay)
         else:
             parts = []
             for part in (guard, fn):  # one pool, replayed in capture order
@@ -182,19 +168,10 @@ class Graph:
                     out = part()
                 parts.append((g, out))
             guarded = GuardedGraph(parts[0][0], parts[1][0], parts[0][1])
-            variant = _Variant(run=guarded.launch, owned=True, cuda_graph=parts[1][0], held=guarded.held)
+            variant = _Variant(run=guarded.launch, held=guarded.held)
         b.slot_arena.copy_(saved[0])
         b.shared_arena.copy_(saved[1])
-        variant.ptrs = self._ptrs()
         self._put(key, variant)
-
-    def adopt(self, key: Hashable, cuda_graph: torch.cuda.CUDAGraph) -> None:
-        """Register a ``torch.cuda.CUDAGraph`` captured elsewhere as the variant ``key``. The
-        graph is not owned: eviction drops the reference, the caller keeps its lifetime."""
-        hash(key)
-        if not isinstance(cuda_graph, torch.cuda.CUDAGraph):
-            raise TypeError(f"adopt takes a torch.cuda.CUDAGraph, got {type(cuda_graph).__name__}")
-        self._put(key, _Variant(run=cuda_graph.replay, owned=False, cuda_graph=cuda_graph, ptrs=self._ptrs()))
 
     def replay(self, key: Hashable, stream: Stream | None = None) -> None:
         """Run the variant ``key`` (on ``stream`` if given, else the current stream)."""
@@ -205,13 +182,6 @@ class Graph:
                 "Capture it first (replay never falls back to an eager run)."
             )
         self._variants.move_to_end(key)
-        if self.debug:
-            moved = [k for k, p in self._ptrs().items() if v.ptrs.get(k) != p]
-            if moved:
-                raise ReallocatedBufferError(
-                    f"graph {self.name!r} variant {key!r}: buffers {moved} were reallocated since "
-                    "capture; buffers must be allocated once and written in place"
-                )
         if stream is None:
             v.run()
         else:
@@ -232,25 +202,6 @@ class Graph:
         while len(self._variants) > self.max_variants:
             self._variants.popitem(last=False)
 
-    def has_variant(self, key: Hashable) -> bool:
+    def __contains__(self, key: Hashable) -> bool:
+        """Whether the variant ``key`` is captured (and not evicted)."""
         return key in self._variants
-
-    __contains__ = has_variant
-
-    def evict(self, key: Hashable) -> bool:
-        """Drop one variant; True if it existed."""
-        return self._variants.pop(key, None) is not None
-
-    def evict_lru(self) -> Hashable | None:
-        """Drop the least recently used variant and return its key (None if empty)."""
-        if not self._variants:
-            return None
-        key, _ = self._variants.popitem(last=False)
-        return key
-
-    def keys(self) -> list[Hashable]:
-        """Variant keys, least recently used first."""
-        return list(self._variants)
-
-    def __len__(self) -> int:
-        return len(self._variants)

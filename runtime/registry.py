@@ -2,8 +2,8 @@
 
 Rules, all of them:
 
-1. Each tier (``gpu``, ``host``, ``disk``) has a byte budget (``None``: unbounded; ``disk`` is
-   off unless the registry has a ``root`` folder).
+1. Each tier (``gpu``, ``host``, ``disk``) has a byte budget the caller chose (``None``:
+   unbounded; ``disk`` is off unless the registry has a ``root`` folder).
 2. A pinned capsule never moves and is never evicted; pinning more than a tier's budget is
    refused.
 3. When a tier is over budget, its least recently used unpinned capsule moves one tier down
@@ -12,19 +12,42 @@ Rules, all of them:
    down, whose budget less its pinned bytes can hold it; :meth:`CapsuleRegistry.get` marks it
    used and promotes it the same way (the only step that is not a device copy). A capsule too
    big for a tier never flushes that tier.
+
+Every verb is a transaction: the moves a rule asks for are prepared first (files written, bytes
+read or copied) while every entry still holds its old bytes, then committed together. If
+anything fails (a full or read-only disk, a file corrupted since it was written) nothing has
+changed and a :class:`~flashrt.runtime.CapsuleError` names the path.
+
+Entries are the registry's own :class:`~flashrt.runtime.Capsule` objects over the caller's
+bytes (capsule bytes are never written in place, so sharing them costs nothing and copies
+nothing): moving an entry never touches the caller's object, and the same capsule can sit
+under two names. The disk tier's files are the registry's own, uniquely named in its root
+(``<name>.flashrt-<host>-<pid>-<random>.safetensors``); a user's file there is never written.
+They live as long as their entry (and the registry: they are removed when it is collected or
+the process exits); files of a registry whose process died are removed when another registry
+opens the root.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import secrets
+import warnings
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from flashrt.runtime.capsule import TIERS, Capsule, CapsuleError, Tier
+from flashrt.runtime.files import HOST, clean_stale
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
+FILE_PATTERN = re.compile(
+    r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}\.flashrt-(?P<host>[0-9a-f]{8})-(?P<pid>[0-9]+)-[0-9a-f]{12}\.safetensors"
+)
+"""Names of the disk tier's files (only those are ever removed from a root)."""
 
 
 @dataclass
@@ -42,20 +65,26 @@ class RegistryStats:
 
 @dataclass
 class _Item:
-    capsule: Capsule
+    capsule: Capsule  # the registry's own object
     pinned: bool
-    owns_file: bool = False
+    owned: Path | None = None  # the disk-tier file this registry wrote for it
 
 
 class CapsuleRegistry:
     """Named capsules with per-tier byte budgets, pinning, LRU demotion and promotion on use.
 
+    Every budget is the caller's choice (nothing here grows past a bound the caller did not
+    pick): ``gpu_bytes`` and ``host_bytes`` are required, and a ``root`` needs ``disk_bytes``.
+    A budget counts the capsules' state bytes (:attr:`Capsule.nbytes`).
+
     Args:
         root: folder for the disk tier (None: no disk tier; demotion past host evicts).
-        gpu_bytes, host_bytes, disk_bytes: budgets per tier; None means unbounded.
+        gpu_bytes, host_bytes: budgets of the memory tiers, in bytes; None means unbounded
+            (an explicit choice).
+        disk_bytes: budget of the disk tier (with ``root`` only); None means unbounded.
 
     Example:
-        >>> reg = CapsuleRegistry("capsules/", gpu_bytes=1 << 30, host_bytes=8 << 30)
+        >>> reg = CapsuleRegistry("capsules/", gpu_bytes=1 << 30, host_bytes=8 << 30, disk_bytes=64 << 30)
         >>> reg.put("episode-start", snapshot(bufs), pin=True)
         >>> restore(bufs, reg.get("episode-start"))
     """
@@ -64,21 +93,36 @@ class CapsuleRegistry:
         self,
         root: str | os.PathLike | None = None,
         *,
-        gpu_bytes: int | None = None,
-        host_bytes: int | None = None,
-        disk_bytes: int | None = None,
+        gpu_bytes: int | None,
+        host_bytes: int | None,
+        disk_bytes: int | None = 0,
     ) -> None:
         self.root = Path(root) if root is not None else None
-        self.budgets: dict[Tier, int | None] = {
-            "gpu": gpu_bytes,
-            "host": host_bytes,
-            "disk": disk_bytes if self.root is not None else 0,
-        }
+        self.budgets: dict[Tier, int | None] = {"gpu": gpu_bytes, "host": host_bytes, "disk": disk_bytes}
         for tier, b in self.budgets.items():
-            if b is not None and b < 0:
-                raise ValueError(f"{tier}_bytes must be >= 0 or None, got {b}")
+            if b is not None and (type(b) is not int or b < 0):
+                raise ValueError(f"{tier}_bytes must be an int >= 0, or None for no bound, got {b!r}")
+        if self.root is None and disk_bytes != 0:
+            raise ValueError(f"disk_bytes={disk_bytes} needs a disk tier: pass root=<folder>, or leave disk_bytes out")
+        if self.root is not None and disk_bytes == 0:
+            raise ValueError(
+                f"a root folder ({self.root}) makes a disk tier: give it a budget, disk_bytes=<bytes> "
+                "(None for no bound)"
+            )
+        if self.root is not None:
+            try:
+                self.root.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise CapsuleError(
+                    f"the registry root {self.root} cannot be made a folder ({e}); pass a writable folder, or "
+                    "root=None for no disk tier"
+                ) from None
+            clean_stale(self.root)
+            clean_stale(self.root, FILE_PATTERN)
         self._items: OrderedDict[str, _Item] = OrderedDict()  # least recently used first
         self._stats = RegistryStats()
+        self._files: set[Path] = set()  # every file this registry owns now
+        self._finalizer = weakref.finalize(self, _remove, self._files)
 
     # -- queries -------------------------------------------------------------------------------
     def __contains__(self, name: object) -> bool:
@@ -120,12 +164,20 @@ class CapsuleRegistry:
 
     # -- verbs ---------------------------------------------------------------------------------
     def put(self, name: str, capsule: Capsule, *, pin: bool = False) -> Capsule:
-        """Add (or replace) ``name``. The capsule enters in its current tier, as the most
-        recently used; over-budget tiers then demote their LRU unpinned capsules."""
+        """Add (or replace) ``name``. The registry keeps its own capsule object over ``capsule``'s
+        bytes (no copy); ``capsule`` itself is never moved. The entry goes in its tier or the
+        first one below with room (its own tier if pinned), as the most recently used;
+        over-budget tiers then demote their LRU unpinned capsules. Returns a new capsule object
+        over the entry, as :meth:`get` does."""
         if not isinstance(name, str) or not _NAME.fullmatch(name):
             raise ValueError(f"capsule name {name!r} must match {_NAME.pattern}")
         if not isinstance(capsule, Capsule):
             raise TypeError(f"put takes a Capsule, got {type(capsule).__name__}")
+        if capsule.nbytes == 0:
+            raise CapsuleError(
+                f"capsule {name!r} holds no state bytes, so no budget would bound how many such entries are kept; "
+                "snapshot at least one buffer"
+            )
         if pin:
             self._check_pin_fits(name, capsule.tier, capsule.nbytes)
         old = self._items.get(name)
@@ -133,7 +185,6 @@ class CapsuleRegistry:
         def freed(tier: Tier) -> int:  # pinned bytes a replacement gives back
             return old.capsule.nbytes if old is not None and old.pinned and old.capsule.tier == tier else 0
 
-        entered_on_disk = capsule.tier == "disk"
         target = capsule.tier
         if not pin:
             start = TIERS.index(capsule.tier)
@@ -144,30 +195,37 @@ class CapsuleRegistry:
                     f"from {capsule.tier} down ({self.budgets}); raise a budget or give the registry a root folder"
                 )
             target = fits[0]
-        if old is not None:
-            self._drop(name)  # a replacement, not an eviction
-        self._move(capsule, target, name)
-        self._items[name] = _Item(capsule, pin, owns_file=capsule.tier == "disk" and not entered_on_disk)
-        self._settle()
-        return capsule
+        entry = _Item(capsule.moved(capsule.tier), pin)
+        order = [n for n in self._items if n != name] + [name]
+        state = {n: (it.capsule.tier, it.capsule.nbytes, it.pinned) for n, it in self._items.items()}
+        state[name] = (target, capsule.nbytes, pin)
+        moves = self._settle(order, state)
+        moves[name] = moves.get(name, target)
+        self._apply(moves, {name: entry}, dropped=old)
+        return entry.capsule.moved(entry.capsule.tier)
 
     def get(self, name: str) -> Capsule:
-        """The capsule ``name``, marked used and promoted as far up as its size allows."""
+        """The capsule ``name``, marked used and promoted as far up as its size allows.
+
+        Returns a new capsule object over the entry's bytes: moving it does not move the entry.
+        A capsule that stays on disk (no room above) reads the registry's file, which lives
+        only as long as the entry stays on disk."""
         if name not in self._items:
             self._stats.misses += 1
         it = self._item(name)
-        self._stats.hits += 1
-        self._items.move_to_end(name)
+        moves: dict[str, Tier | None] = {}
         if not it.pinned:
             up = [t for t in TIERS[: TIERS.index(it.capsule.tier)] if self._room(t) >= it.capsule.nbytes]
             if up:
-                it.capsule.to(up[0])
-                if it.owns_file and it.capsule.path is not None:  # the file was only a tier
-                    it.capsule.path.unlink(missing_ok=True)
-                    it.capsule.path, it.owns_file = None, False
-                self._stats.promotions += 1
-                self._settle()
-        return it.capsule
+                order = [n for n in self._items if n != name] + [name]
+                state = {n: (i.capsule.tier, i.capsule.nbytes, i.pinned) for n, i in self._items.items()}
+                state[name] = (up[0], it.capsule.nbytes, False)
+                moves = self._settle(order, state)
+                moves[name] = moves.get(name, up[0])
+        self._apply(moves, {})
+        self._stats.hits += 1
+        self._items.move_to_end(name)
+        return it.capsule.moved(it.capsule.tier)
 
     def pin(self, name: str) -> None:
         """Pin ``name`` where it is now (refused if the tier's pinned bytes would pass its budget)."""
@@ -177,21 +235,16 @@ class CapsuleRegistry:
             it.pinned = True
 
     def unpin(self, name: str) -> None:
-        """Make ``name`` movable again; it may be demoted at the next settle."""
-        self._item(name).pinned = False
-        self._settle()
+        """Make ``name`` movable again; it may be demoted now if its tier is over budget."""
+        it = self._item(name)
+        state = {n: (i.capsule.tier, i.capsule.nbytes, i.pinned and n != name) for n, i in self._items.items()}
+        self._apply(self._settle(list(self._items), state), {})
+        it.pinned = False
 
     def evict(self, name: str) -> Capsule:
         """Remove ``name`` (pinned or not) and delete its disk file if the registry wrote it."""
-        capsule = self._drop(name)
-        self._stats.evictions += 1
-        return capsule
-
-    def _drop(self, name: str) -> Capsule:
-        self._item(name)
-        it = self._items.pop(name)
-        if it.owns_file and it.capsule.path is not None:
-            it.capsule.path.unlink(missing_ok=True)
+        it = self._item(name)
+        self._apply({name: None}, {})
         return it.capsule
 
     # -- policy --------------------------------------------------------------------------------
@@ -211,25 +264,99 @@ class CapsuleRegistry:
         budget = self.budgets[tier]
         return float("inf") if budget is None else budget - self.used(tier, pinned_only=True)
 
-    def _move(self, capsule: Capsule, tier: Tier, name: str) -> None:
-        if tier == capsule.tier:
-            return
-        if tier == "disk":
-            capsule.to("disk", path=self.root / f"{name}.safetensors")  # type: ignore[operator]
-        else:
-            capsule.to(tier)
-
-    def _settle(self) -> None:
+    def _settle(self, order: list[str], state: dict[str, tuple[Tier, int, bool]]) -> dict[str, Tier | None]:
+        """The moves (new tier, or None: evicted) that bring every tier within budget, for
+        entries in LRU ``order`` with ``state[name] = (tier, nbytes, pinned)``."""
+        tier_of = {n: s[0] for n, s in state.items()}
+        used = dict.fromkeys(TIERS, 0)
+        for t, nbytes, _ in state.values():
+            used[t] += nbytes
+        moves: dict[str, Tier | None] = {}
         for rank, tier in enumerate(TIERS):
             budget = self.budgets[tier]
-            while budget is not None and self.used(tier) > budget:
-                victim = next(
-                    n for n, it in self._items.items() if it.capsule.tier == tier and not it.pinned
-                )  # exists: pinned bytes never pass the budget
-                it = self._items[victim]
-                if rank + 1 == len(TIERS) or (tier == "host" and self.root is None):
-                    self.evict(victim)
+            for n in order:  # victims in LRU order; pinned bytes never pass the budget
+                if budget is None or used[tier] <= budget:
+                    break
+                if tier_of[n] != tier or state[n][2]:
                     continue
-                self._move(it.capsule, TIERS[rank + 1], victim)
-                it.owns_file |= it.capsule.tier == "disk"
-                self._stats.demotions += 1
+                used[tier] -= state[n][1]
+                if rank + 1 == len(TIERS) or (tier == "host" and self.root is None):
+                    moves[n] = tier_of[n] = None
+                else:
+                    moves[n] = tier_of[n] = TIERS[rank + 1]
+                    used[TIERS[rank + 1]] += state[n][1]
+        return moves
+
+    def _apply(self, moves: dict[str, Tier | None], new: dict[str, _Item], dropped: _Item | None = None) -> None:
+        """Carry out ``moves`` (and enter ``new`` items, replacing ``dropped``) all-or-nothing:
+        every file is written and every byte read or copied before any entry changes."""
+        items = {**self._items, **new}
+        prepared: dict[str, Capsule] = {}
+        written: list[Path] = []
+        try:
+            for n, tier in moves.items():
+                if tier is None or tier == items[n].capsule.tier:
+                    continue
+                path = self._new_file(n) if tier == "disk" else None
+                try:
+                    prepared[n] = items[n].capsule.moved(tier, path=path)
+                except OSError as e:
+                    raise CapsuleError(
+                        f"could not move capsule {n!r} to the {tier} tier at {path}: {e}; give the registry a "
+                        "writable root folder with room for disk_bytes"
+                    ) from e
+                if path is not None:
+                    written.append(path)
+        except BaseException:
+            for p in written:
+                p.unlink(missing_ok=True)
+            raise
+        # -- commit: nothing below can fail but the removal of files no entry needs any more --
+        stale = [dropped.owned] if dropped is not None and dropped.owned is not None else []
+        for n, it in new.items():
+            self._items.pop(n, None)
+            self._items[n] = it
+        for n, tier in moves.items():
+            it = self._items[n]
+            if tier is None:
+                del self._items[n]
+                stale.append(it.owned)
+                self._stats.evictions += 1
+                continue
+            if n not in prepared:
+                continue
+            rank = TIERS.index(tier) - TIERS.index(it.capsule.tier)
+            if n not in new:
+                self._stats.demotions += rank > 0
+                self._stats.promotions += rank < 0
+            if it.owned is not None:  # the file was only a tier
+                stale.append(it.owned)
+                prepared[n].path = None
+            it.capsule, it.owned = prepared[n], prepared[n].path if tier == "disk" else None
+            if it.owned is not None:
+                self._files.add(it.owned)
+        for p in stale:
+            if p is not None:
+                self._files.discard(p)
+                _unlink(p)
+
+    def _new_file(self, name: str) -> Path:
+        assert self.root is not None
+        while True:
+            path = self.root / f"{name}.flashrt-{HOST}-{os.getpid()}-{secrets.token_hex(6)}.safetensors"
+            if not path.exists():
+                return path
+
+
+def _unlink(path: Path) -> None:
+    try:
+        path.unlink(missing_ok=True)
+    except OSError as e:
+        warnings.warn(f"capsule registry: could not remove {path} ({e}); remove it by hand", stacklevel=3)
+
+
+def _remove(files: set[Path]) -> None:
+    for p in list(files):
+        with contextlib.suppress(OSError):
+            p.unlink(missing_ok=True)
+    files.clear()

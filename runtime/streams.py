@@ -17,21 +17,14 @@ class Stream:
 
     Args:
         device: the device whose work it orders.
-        priority: CUDA stream priority (lower is higher priority); ignored on the CPU.
         cuda_stream: wrap an existing ``torch.cuda.Stream`` instead of creating one.
     """
 
-    def __init__(
-        self,
-        device: torch.device | str = "cpu",
-        *,
-        priority: int = 0,
-        cuda_stream: torch.cuda.Stream | None = None,
-    ) -> None:
+    def __init__(self, device: torch.device | str = "cpu", *, cuda_stream: torch.cuda.Stream | None = None) -> None:
         self.device = torch.device(device)
         self.cuda: torch.cuda.Stream | None = None
         if self.device.type == "cuda":
-            self.cuda = cuda_stream or torch.cuda.Stream(self.device, priority=priority)
+            self.cuda = cuda_stream or torch.cuda.Stream(self.device)
         self._ctx: contextlib.AbstractContextManager | None = None
 
     @classmethod
@@ -46,16 +39,6 @@ class Stream:
         """Make later work on this stream wait for ``event``."""
         if self.cuda is not None and event.cuda is not None:
             self.cuda.wait_event(event.cuda)
-
-    def wait_stream(self, other: Stream) -> None:
-        """Make later work on this stream wait for all work queued on ``other`` so far."""
-        if self.cuda is not None and other.cuda is not None:
-            self.cuda.wait_stream(other.cuda)
-
-    def synchronize(self) -> None:
-        """Block the host until all work queued on this stream has finished."""
-        if self.cuda is not None:
-            self.cuda.synchronize()
 
     def __enter__(self) -> Stream:
         self._ctx = torch.cuda.stream(self.cuda) if self.cuda is not None else contextlib.nullcontext()
@@ -82,10 +65,6 @@ class Event:
         ev = torch.cuda.Event()
         ev.record(stream.cuda)
         return cls(ev)
-
-    def query(self) -> bool:
-        """True once all work before the event has completed (never blocks)."""
-        return self.cuda is None or self.cuda.query()
 
     def synchronize(self) -> None:
         """Block the host until the event has completed."""

@@ -1,10 +1,7 @@
-import os
-
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from flashrt import runtime
 from flashrt.runtime import (
     BufferSet,
     Capsule,
@@ -266,32 +263,6 @@ def test_a_corrupted_file_never_reaches_the_buffers(tmp_path):
     assert toy.same_state(b, before)
 
 
-def test_an_interrupted_write_leaves_no_partial_file_and_keeps_the_old_one(tmp_path, monkeypatch):
-    b = toy.make(3)
-    path = snapshot(b, meta={"v": 1}).save(tmp_path / "c.safetensors")
-    old = path.read_bytes()
-
-    def crash(*args, **kwargs):
-        raise OSError("disk full")
-
-    monkeypatch.setattr(os, "replace", crash)
-    run(b, 2)
-    with pytest.raises(OSError, match="disk full"):
-        snapshot(b, meta={"v": 2}).save(path)
-    assert path.read_bytes() == old
-    assert [p.name for p in tmp_path.iterdir()] == ["c.safetensors"]
-
-    def half_write(tensors, filename, metadata=None):
-        with open(filename, "wb") as f:
-            f.write(b"\x00" * 10)
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(runtime.capsule, "save_file", half_write)
-    with pytest.raises(KeyboardInterrupt):
-        snapshot(b).save(tmp_path / "new.safetensors")
-    assert [p.name for p in tmp_path.iterdir()] == ["c.safetensors"]
-
-
 def test_masked_restore_and_copy_rows_match_per_slot_restore():
     b = toy.make(6)
     start = snapshot(b)
@@ -303,3 +274,48 @@ def test_masked_restore_and_copy_rows_match_per_slot_restore():
     assert torch.equal(b.slot_arena, expected)
     copy_rows(b.slot_arena, torch.tensor([2, 4]), start.rows[[0, 0]])
     assert torch.equal(b.slot_arena[2], start.rows[0]) and torch.equal(b.slot_arena[4], start.rows[0])
+
+
+def test_moved_makes_a_new_capsule_and_leaves_the_source_alone(tmp_path):
+    b = toy.make(3)
+    cap = snapshot(b, meta={"k": 1})
+    on_disk = cap.moved("disk", path=tmp_path / "m.safetensors")
+    assert (cap.tier, cap.path, on_disk.tier, on_disk.rows) == ("gpu", None, "disk", None)
+    back = on_disk.moved("host")
+    assert on_disk.tier == "disk" and back.tier == "host" and torch.equal(back.rows, cap.rows)
+    same = cap.moved("gpu")
+    assert same is not cap and same.rows is cap.rows and same.origin == cap.origin
+    rollback(b, same)  # the same boundary of the same set
+
+
+@pytest.mark.parametrize("tier", ["gpu", "host", "file"])
+def test_tensor_is_a_typed_view_of_the_capsules_bytes(tmp_path, tier):
+    b = toy.make(5)
+    run(b, 3)
+    whole = snapshot(b, tier="gpu" if tier == "file" else tier)
+    part = snapshot(b, [4, 1], names=["hist", "done", "key"], tier="gpu" if tier == "file" else tier)
+    if tier == "file":
+        whole = Capsule.load(whole.save(tmp_path / "w.safetensors"), tier="host")
+        part = Capsule.load(part.save(tmp_path / "p.safetensors"))
+    live = {n: b[n].clone() for n in b.names("slot", "shared")}
+    toy.scramble(b)  # a capsule is the boundary, not a view of the live set
+    for name, want in live.items():
+        got = whole.tensor(name)
+        assert got.dtype == want.dtype and torch.equal(got, want), name
+        assert got.untyped_storage().data_ptr() in (whole.rows.data_ptr(), whole.shared.data_ptr())  # no copy
+    for name in ("hist", "done", "key"):
+        assert torch.equal(part.tensor(name), live[name][[4, 1]])
+    assert not torch.equal(part.tensor("key"), live["key"][[1, 4]])  # rows in the capsule's slot order
+    with pytest.raises(KeyError, match=r"no buffer 'pos'; it holds \['hist', 'done', 'key'\]"):
+        part.tensor("pos")
+
+
+def test_tensor_of_a_disk_capsule_or_an_empty_buffer(tmp_path):
+    b = BufferSet([slot("x", (2,)), slot("none", (0, 4), torch.int64)], 3, deployment="t")
+    b["x"].copy_(torch.arange(6.0).view(3, 2))
+    cap = snapshot(b)
+    assert cap.tensor("none").shape == (3, 0, 4) and cap.tensor("none").dtype == torch.int64
+    cap.to("disk", path=tmp_path / "d.safetensors")
+    with pytest.raises(CapsuleError, match=r"on disk .*d\.safetensors.*capsule\.to\('host'\)"):
+        cap.tensor("x")
+    assert torch.equal(cap.to("host").tensor("x"), b["x"])
