@@ -22,10 +22,8 @@ run:
   dependent launches overlap).
 
 ``lerobot_pi0`` / ``lerobot_pi05`` (``--exact``) are LeRobot's pi0 / pi0.5 at full size with
-their exact computation (what the converter produces; random weights): images then language in
-one block encoded per observation, so their step is the observation encode and the denoising
-over static buffers (image, state, prompt, block-B keys/values, noise, actions) of their own,
-recorded and replayed the same way.
+their exact computation (what the converter produces; random weights, random prompt tokens):
+images then language in one block B, encoded with every observation.
 
     python scripts/bench_policy.py --out bench_policy.json
     python scripts/bench_policy.py --tiny-batches --pi0-batches --exact lerobot_pi0 lerobot_pi05 \
@@ -47,72 +45,21 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from flashrt import kernels
 from flashrt.policies import PRESETS, FlowPolicy, PolicyPipeline, policy_specs, tokenizer_for
-from flashrt.runtime import BufferSet, Graph, slot
+from flashrt.runtime import BufferSet, Graph
 from flashrt_gym.tasks import TabletopConfig
 
 EXACT = ("lerobot_pi0", "lerobot_pi05")
-
-
-def exact_rig(model: FlowPolicy, n: int) -> tuple[BufferSet, Callable[[], None], Callable[[], torch.Tensor]]:
-    """A pi0-exact (``images_first``) policy step over static buffers: the buffers, the step (the
-    observation encode into ``kv``, then the denoising into ``actions``) and a compiled pure
-    version of it (``torch.compile``'s baseline)."""
-    c = model.eval().requires_grad_(False).cfg
-    bufs = BufferSet(
-        [
-            slot("image", (c.num_cameras, c.image_size, c.image_size, 3), torch.uint8),
-            slot("proprio", (c.proprio_dim,)),
-            slot("text_ids", (c.max_text_len,), torch.int64),
-            slot("text_mask", (c.max_text_len,), torch.bool),
-            slot("kv", (c.depth, 2, c.kv_heads, c.frame_tokens, c.head_dim), model.dtype),
-            slot("noise", (c.horizon, c.action_dim)),
-            slot("actions", (c.horizon, c.action_dim)),
-        ],
-        n,
-        "cuda",
-        deployment="bench",
-    )
-    bufs["image"].random_(0, 256)
-    bufs["proprio"].uniform_(-1, 1)
-    bufs["text_ids"].random_(4, c.embed_rows)
-    bufs["text_mask"].copy_(torch.arange(c.max_text_len, device="cuda") < c.max_text_len * 2 // 3)  # padded prompt
-    bufs["noise"].normal_()
-    frame = torch.zeros(n, dtype=torch.int64, device="cuda")
-    valid = torch.ones(n, dtype=torch.bool, device="cuda")
-
-    @torch.no_grad()
-    def step() -> None:
-        text = (bufs["text_ids"], bufs["text_mask"])
-        model.encode_frame(bufs["image"], bufs["proprio"], frame, [], kv_out=bufs["kv"], text=text)
-        prefix = [(bufs["kv"], model.frame_mask(valid, bufs["text_mask"]))]
-        bufs["actions"].copy_(model.sample(bufs["noise"], prefix, frame))
-
-    def pure(image, proprio, ids, mask, noise):
-        kv, _ = model.encode_frame(image, proprio, frame, [], text=(ids, mask))
-        return model.sample(noise, [(kv, model.frame_mask(valid, mask))], frame)
-
-    compiled = torch.compile(pure, mode="reduce-overhead")
-    args = (bufs["image"], bufs["proprio"], bufs["text_ids"], bufs["text_mask"], bufs["noise"])
-    return bufs, step, lambda: compiled(*args)
-
-
-def pipeline_rig(model: FlowPolicy, n: int) -> tuple[BufferSet, Callable[[], None], Callable[[], torch.Tensor]]:
-    """The policy step of a pipeline preset: its buffers, the step (encode the observation,
-    denoise) and the compiled pure version of it."""
-    p = make_pipeline(model, n)
-
-    def step() -> None:
-        p.encode_observation()
-        p.denoise()
-
-    return p.bufs, step, pure_step(model, p)
 
 
 def make_pipeline(model: FlowPolicy, n: int) -> PolicyPipeline:
     bufs = BufferSet(policy_specs(model), n, "cuda", deployment="bench")
     p = PolicyPipeline(model, bufs)
     cfg = model.cfg
-    ids, mask = tokenizer_for(cfg).encode(["push the red square to the left goal"] * n)
+    if cfg.tokenizer == "words":
+        ids, mask = tokenizer_for(cfg).encode(["push the red square to the left goal"] * n)
+    else:  # random weights, random prompt tokens: two thirds of the prompt real, the rest padding
+        ids = torch.randint(4, cfg.embed_rows, (n, cfg.max_text_len))
+        mask = (torch.arange(cfg.max_text_len) < cfg.max_text_len * 2 // 3).expand(n, -1)
     bufs["policy.text_ids"].copy_(ids)
     bufs["policy.text_mask"].copy_(mask)
     bufs["policy.image"].random_(0, 256)
@@ -128,26 +75,21 @@ def make_pipeline(model: FlowPolicy, n: int) -> PolicyPipeline:
 def pure_step(model: FlowPolicy, p: PolicyPipeline) -> Callable[[], torch.Tensor]:
     """The same step as a function of tensors that mutates nothing (what torch.compile gets)."""
     cfg = model.cfg
+    valid = torch.ones_like(p["obs_valid"])
 
-    def step(image, proprio, frame, kv_text, text_mask, kv_ring, ring_valid, noise):
+    def step(image, proprio, frame, kv_text, text_ids, text_mask, kv_ring, ring_valid, noise):
+        if not cfg.text_block:  # pi0's layout: images and language in one block B
+            kv, _ = model.encode_frame(image, proprio, frame, [], text=(text_ids, text_mask))
+            return model.sample(noise, [(kv, model.frame_mask(valid, text_mask))], frame)
         ctx = [(kv_text, text_mask)]
         if kv_ring is not None:
             ctx.append((kv_ring, ring_valid.repeat_interleave(cfg.frame_tokens, dim=1)))
         kv, _ = model.encode_frame(image, proprio, frame, ctx)
-        return model.sample(noise, [*ctx, (kv, torch.ones_like(text_mask[:, :1]).expand(-1, cfg.frame_tokens))], frame)
+        return model.sample(noise, [*ctx, (kv, model.frame_mask(valid))], frame)
 
     compiled = torch.compile(step, mode="reduce-overhead")
-    ring = cfg.n_obs_steps > 1
-    args = (
-        p["image"],
-        p["proprio"],
-        p["frame"],
-        p["kv_text"],
-        p["text_mask"],
-        p["kv_ring"] if ring else None,
-        p["ring_valid"] if ring else None,
-        p["noise"],
-    )
+    s = p.state
+    args = (s.image, s.proprio, s.frame, s.kv_text, s.text_ids, s.text_mask, s.kv_ring, s.ring_valid, s.noise)
     return lambda: compiled(*args)
 
 
@@ -200,8 +142,12 @@ def floors(model: FlowPolicy, n: int, step: Callable[[], None], rates: dict) -> 
 def bench(preset: str, n: int, reps: int, do_compile: bool, rates: dict) -> dict:
     torch.manual_seed(0)
     with torch.device("cuda"):
-        model = FlowPolicy(PRESETS[preset](TabletopConfig().vocabulary)).to(torch.bfloat16).eval()
-    bufs, step, compiled = (exact_rig if preset in EXACT else pipeline_rig)(model, n)
+        model = FlowPolicy(PRESETS[preset](TabletopConfig().vocabulary)).to(torch.bfloat16)
+    p = make_pipeline(model, n)
+
+    def step() -> None:
+        p.encode_observation()
+        p.denoise()
 
     rec: dict = {"preset": preset, "batch": n, "params_M": sum(x.numel() for x in model.parameters()) / 1e6}
     t = time.perf_counter()
@@ -212,7 +158,7 @@ def bench(preset: str, n: int, reps: int, do_compile: bool, rates: dict) -> dict
     for name, mode in (("reference", kernels.reference_only), ("kernels", contextlib.nullcontext)):
         with mode():
             rec[f"{name}_nodes"] = count_kernels(step)
-            g = Graph(f"{preset}-step-{name}").bind(bufs)
+            g = Graph(f"{preset}-step-{name}").bind(p.bufs)
             t = time.perf_counter()
             g.capture(n, step)
             torch.cuda.synchronize()
@@ -227,7 +173,7 @@ def bench(preset: str, n: int, reps: int, do_compile: bool, rates: dict) -> dict
     rec["top_kernels"] = top_kernels(step)
     if do_compile:
         with kernels.reference_only():
-            fn = compiled
+            fn = pure_step(model, p)
             t = time.perf_counter()
             for _ in range(3):  # compile, record, then a first replay
                 fn()

@@ -1,11 +1,10 @@
 """Converted pi0 / pi0.5 in bf16 under CUDA graph replay, against LeRobot's float32 golden actions
 (run on the GPU machine: pytest -m cuda).
 
-The observation encode and the denoising run over static buffers (the way the pipeline holds a
-slot's state), are captured once as a graph and replayed: replay must equal the eager bf16 run
-byte for byte, and both must land within bf16 rounding of LeRobot's float32 result; with
-Gemma's ``1 + w`` norm scale (pi0) or adaRMS's ``1 + scale`` (pi0.5) switched off the same
-comparison must fail.
+The pipeline's observation encode and denoising are captured once as a graph and replayed:
+replay must equal the eager bf16 run byte for byte and land within bf16 rounding of LeRobot's
+float32 result; with Gemma's ``1 + w`` norm scale (pi0) or adaRMS's ``1 + scale`` (pi0.5)
+switched off the same comparison must fail.
 """
 
 import dataclasses
@@ -13,9 +12,9 @@ import dataclasses
 import pytest
 import torch
 
-from flashrt.policies import FlowPolicy
+from flashrt.policies import FlowPolicy, PolicyPipeline, policy_specs
 from flashrt.policies.model import AdaRMSNorm
-from flashrt.runtime import BufferSet, Graph, slot
+from flashrt.runtime import BufferSet, Graph
 from tests.policies.golden import KINDS, golden, load_converted
 
 pytestmark = pytest.mark.cuda
@@ -25,41 +24,22 @@ BF16_TOL = 0.03
 and the error of a few layers and ten Euler steps compounds to ~1e-2; a wrong option is O(0.1-1)."""
 
 
-def buffers(model: FlowPolicy, n: int) -> BufferSet:
-    c = model.cfg
-    return BufferSet(
-        [
-            slot("image", (c.num_cameras, c.image_size, c.image_size, 3), torch.uint8),
-            slot("proprio", (c.proprio_dim,)),
-            slot("text_ids", (c.max_text_len,), torch.int64),
-            slot("text_mask", (c.max_text_len,), torch.bool),
-            slot("kv", (c.depth, 2, c.kv_heads, c.frame_tokens, c.head_dim), model.dtype),
-            slot("noise", (c.horizon, c.action_dim)),
-            slot("actions", (c.horizon, c.action_dim)),
-        ],
-        n,
-        "cuda",
-        deployment="lerobot-golden",
-    )
+def fed(model: FlowPolicy, g) -> PolicyPipeline:
+    """The pipeline over the fixture's two samples: the prompt tokens LeRobot's processor made
+    (pi0.5's hold the state), the frame, the noise."""
+    p = PolicyPipeline(model, BufferSet(policy_specs(model), 2, "cuda", deployment="lerobot-golden"))
+    p.begin_episode()
+    p["text_ids"].copy_(g["text_ids"])
+    p["text_mask"].copy_(g["text_mask"])
+    p["image"].copy_(g["images"])
+    p["proprio"][:, : g["state"].shape[1]].copy_(g["state"])
+    p["noise"].copy_(g["noise"])
+    return p
 
 
-def step(model: FlowPolicy, b: BufferSet) -> None:
-    """Encode the observation into ``kv`` and denoise ``noise`` into ``actions``, in place."""
-    n = b.num_slots
-    frame = torch.zeros(n, dtype=torch.int64, device="cuda")
-    valid = torch.ones(n, dtype=torch.bool, device="cuda")
-    with torch.no_grad():
-        model.encode_frame(b["image"], b["proprio"], frame, [], kv_out=b["kv"], text=(b["text_ids"], b["text_mask"]))
-        prefix = [(b["kv"], model.frame_mask(valid, b["text_mask"]))]
-        b["actions"].copy_(model.sample(b["noise"], prefix, frame))
-
-
-def fill(b: BufferSet, g: dict[str, torch.Tensor]) -> None:
-    b["image"].copy_(g["images"])
-    b["proprio"][:, : g["state"].shape[1]].copy_(g["state"])
-    b["text_ids"].copy_(g["text_ids"])
-    b["text_mask"].copy_(g["text_mask"])
-    b["noise"].copy_(g["noise"])
+def step(p: PolicyPipeline) -> None:
+    p.encode_observation()
+    p.denoise()
 
 
 def error(model: FlowPolicy, actions: torch.Tensor, g) -> float:
@@ -71,15 +51,13 @@ def error(model: FlowPolicy, actions: torch.Tensor, g) -> float:
 def test_bf16_graph_replay_is_within_bf16_rounding_of_lerobot(tmp_path, monkeypatch, kind):
     g, _ = golden(kind)
     model = load_converted(kind, tmp_path, device="cuda", dtype=torch.bfloat16)
-    eager, graphed = buffers(model, 2), buffers(model, 2)
-    for b in (eager, graphed):
-        fill(b, g)
-    step(model, eager)
-    graph = Graph(f"{kind}-golden").bind(graphed)
-    graph.capture(2, lambda: step(model, graphed))
+    eager, graphed = fed(model, g), fed(model, g)
+    step(eager)
+    graph = Graph(f"{kind}-golden").bind(graphed.bufs)
+    graph.capture(2, lambda: step(graphed))
     graph.replay(2)
     torch.cuda.synchronize()
-    assert torch.equal(eager.slot_arena, graphed.slot_arena)
+    assert torch.equal(eager.bufs.slot_arena, graphed.bufs.slot_arena)
     assert error(model, graphed["actions"], g) < BF16_TOL
 
     # the mutation: pi0 without Gemma's 1 + w norm scale, pi0.5 without adaRMS's 1 + scale
@@ -90,6 +68,6 @@ def test_bf16_graph_replay_is_within_bf16_rounding_of_lerobot(tmp_path, monkeypa
     options = {"norm_plus_one": False} if kind == "pi0" else {}
     wrong = FlowPolicy(dataclasses.replace(model.cfg, **options)).to("cuda", torch.bfloat16).eval()
     wrong.load_state_dict(model.state_dict())
-    fill(eager, g)
-    step(wrong, eager)
-    assert error(wrong, eager["actions"], g) > 5 * BF16_TOL
+    p = fed(wrong, g)
+    step(p)
+    assert error(wrong, p["actions"], g) > 5 * BF16_TOL
