@@ -454,18 +454,26 @@ class FlowPolicy(nn.Module):
             return torch.zeros_like(frame)
         return self.cfg.max_text_len + frame * self.cfg.frame_tokens
 
-    def frame_mask(self, valid: torch.Tensor, text_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """(N, T_B) bool: which of block B's keys may be attended, for frame validity flags
-        ``valid`` (N,) (and with ``images_first`` the language tokens' mask ``text_mask`` (N, L))."""
+    def frame_segments(self, kv: torch.Tensor, valid: torch.Tensor, text_mask: torch.Tensor | None = None) -> Prefix:
+        """Block B's keys/values ``kv`` (N, S, 2, g, T_B, d) as prefix segments for the tokens
+        after it, with frame validity flags ``valid`` (N,).
+
+        ``text_first``: one segment, one flag per slot. ``images_first`` (``text_mask`` (N, L),
+        the language padding): views of ``kv`` in the order attention reads fastest (keys carry
+        their positions, so the order is free): the language with its per-token mask first, then
+        the image tokens and the state token with one flag per slot, which the attention kernel
+        sweeps without loading a mask per key."""
         c = self.cfg
+        flag = valid[:, None]
         if c.text_block:
-            return valid[:, None].expand(-1, c.frame_tokens)
+            return [(kv, flag.expand(-1, c.frame_tokens))]
         if text_mask is None:
             raise ValueError("with prefix_order='images_first' block B holds the language tokens: pass text_mask")
-        parts = [valid[:, None].expand(-1, c.image_tokens), text_mask & valid[:, None]]
+        cp, end = c.image_tokens, c.image_tokens + c.max_text_len
+        segments = [(kv[..., cp:end, :], text_mask & flag), (kv[..., :cp, :], flag.expand(-1, cp))]
         if c.state_token != "text":
-            parts.append(valid[:, None])
-        return torch.cat(parts, dim=1)
+            segments.append((kv[..., end:, :], flag))
+        return segments
 
     def _action_start(self, prefix: Prefix, frame: torch.Tensor) -> torch.Tensor:
         """(N,) position of the first action token: after the frame's slot (``text_first``), or
@@ -705,10 +713,10 @@ class FlowPolicy(nn.Module):
         if not c.text_block:
             valid = batch["frame_valid"][:, -1]
             kv, _ = self.encode_frame(batch["images"][:, -1], batch["proprio"][:, -1], batch["frame"], [], text=text)
-            return [(kv, self.frame_mask(valid, batch["text_mask"]))]
+            return self.frame_segments(kv, valid, batch["text_mask"])
         prefix = [(self.encode_text(*text), batch["text_mask"])]
         for j in range(c.n_obs_steps):
             frame = batch["frame"] - (c.n_obs_steps - 1 - j)
             obs_kv, _ = self.encode_frame(batch["images"][:, j], batch["proprio"][:, j], frame, prefix)
-            prefix.append((obs_kv, self.frame_mask(batch["frame_valid"][:, j])))
+            prefix += self.frame_segments(obs_kv, batch["frame_valid"][:, j])
         return prefix

@@ -210,7 +210,7 @@ class PolicyPipeline:
         newest frame (``images_first``: block B alone, language padding masked)."""
         c, s = self.cfg, self.state
         if not c.text_block:
-            return [(s.kv_obs, self.model.frame_mask(s.obs_valid, s.text_mask))] if newest else []
+            return self.model.frame_segments(s.kv_obs, s.obs_valid, s.text_mask) if newest else []
         segments = [(s.kv_text, s.text_mask)]
         if s.kv_ring is not None:
             ring_mask = s.ring_valid[:, :, None].expand(-1, -1, c.frame_tokens)  # one flag per ring frame

@@ -80,12 +80,12 @@ def pure_step(model: FlowPolicy, p: PolicyPipeline) -> Callable[[], torch.Tensor
     def step(image, proprio, frame, kv_text, text_ids, text_mask, kv_ring, ring_valid, noise):
         if not cfg.text_block:  # pi0's layout: images and language in one block B
             kv, _ = model.encode_frame(image, proprio, frame, [], text=(text_ids, text_mask))
-            return model.sample(noise, [(kv, model.frame_mask(valid, text_mask))], frame)
+            return model.sample(noise, model.frame_segments(kv, valid, text_mask), frame)
         ctx = [(kv_text, text_mask)]
         if kv_ring is not None:
             ctx.append((kv_ring, ring_valid.repeat_interleave(cfg.frame_tokens, dim=1)))
         kv, _ = model.encode_frame(image, proprio, frame, ctx)
-        return model.sample(noise, [*ctx, (kv, model.frame_mask(valid))], frame)
+        return model.sample(noise, [*ctx, *model.frame_segments(kv, valid)], frame)
 
     compiled = torch.compile(step, mode="reduce-overhead")
     s = p.state

@@ -47,9 +47,9 @@ def prefix(model: FlowPolicy, g: dict[str, torch.Tensor], ids: torch.Tensor, mas
     if model.cfg.text_block:
         text = model.encode_text(ids, mask)
         kv, _ = model.encode_frame(images, state, frame, [(text, mask)])
-        return [(text, mask), (kv, model.frame_mask(valid))]
+        return [(text, mask), *model.frame_segments(kv, valid)]
     kv, _ = model.encode_frame(images, state, frame, [], text=(ids, mask))
-    return [(kv, model.frame_mask(valid, mask))]
+    return model.frame_segments(kv, valid, mask)
 
 
 def relative_error(got: torch.Tensor, want: torch.Tensor, where: torch.Tensor | None = None) -> float:

@@ -49,14 +49,16 @@ def test_converted_checkpoint_reproduces_lerobot(converted, kind):
     d = g["state"].shape[1]
     assert relative_error(model.normalize_state(g["state"])[:, :d], g["state_normalized"]) <= TOL
     assert not model.normalize_state(g["state"])[:, d:].any()  # pi0 pads the normalised state with zeros
+    frame, valid = torch.zeros(len(ids), dtype=torch.int64), torch.ones(len(ids), dtype=torch.bool)
     with torch.no_grad():
-        segments = prefix(model, g, ids, mask)
-        kv = segments[0][0][:, -1]  # the last layer, (N, 2, g, T_B, d): image tokens, language, state
+        block, _ = model.encode_frame(g["images"], g["state"], frame, [], text=(ids, mask))
+        segments = model.frame_segments(block, valid, mask)
+        kv = block[:, -1]  # the last layer, (N, 2, g, T_B, d): image tokens, language, state
         n_prefix = g["prefix_mask"].shape[1]
         valid = g["prefix_mask"][:, None, :, None]
         assert relative_error(kv[:, 0, :, :n_prefix], g["prefix_keys_last_layer"], valid) <= TOL
         assert relative_error(kv[:, 1, :, :n_prefix], g["prefix_values_last_layer"], valid) <= TOL
-        actions = model.sample(g["noise"], segments, torch.zeros(len(ids), dtype=torch.int64))
+        actions = model.sample(g["noise"], segments, frame)
     assert relative_error(model.normalize_actions(actions), g["actions_normalized"]) <= TOL
     a = g["actions"].shape[2]
     assert relative_error(actions[:, :, :a], g["actions"]) <= TOL  # through LeRobot's postprocessor
