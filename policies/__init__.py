@@ -1,7 +1,6 @@
 """The VLA flow policy: a pi0-shaped model, its static-buffer pipeline, and its weights."""
 
 from flashrt.policies.config import PRESETS, PolicyConfig, pi0, tiny
-from flashrt.policies.convert import ConversionError, convert_lerobot
 from flashrt.policies.model import FlowPolicy
 from flashrt.policies.pipeline import InstructionTable, PolicyPipeline, PolicyState, deployment_digest, policy_specs
 from flashrt.policies.tokenizer import PaliGemmaTokenizer, WordTokenizer
@@ -9,7 +8,6 @@ from flashrt.policies.weights import WeightsError, load, save, tokenizer_for
 
 __all__ = [
     "PRESETS",
-    "ConversionError",
     "FlowPolicy",
     "InstructionTable",
     "PaliGemmaTokenizer",
@@ -18,7 +16,6 @@ __all__ = [
     "PolicyState",
     "WeightsError",
     "WordTokenizer",
-    "convert_lerobot",
     "deployment_digest",
     "load",
     "pi0",

@@ -159,6 +159,7 @@ def convert_lerobot(
     """
     src, variants = Path(src), variants or {}
     lr = _read_json(src / "config.json")
+    tok = PaliGemmaTokenizer.from_file(tokenizer, lr.get("tokenizer_max_length", 0), lr.get("type") == "pi05")
     kind = lr.get("type")
     if kind not in ("pi0", "pi05"):
         raise ConversionError(f"{src / 'config.json'} is a {kind!r} policy; this converter reads pi0 and pi05")
@@ -231,7 +232,6 @@ def convert_lerobot(
             f"{src} does not map onto the model: missing {sorted(set(want) - set(out))}, "
             f"unexpected {sorted(set(out) - set(want))}, wrong shapes {wrong}"
         )
-    tok = PaliGemmaTokenizer.from_file(tokenizer, cfg.max_text_len, state_prompt=cfg.state_token == "text")
     if len(tok) > cfg.vocab_size:
         raise ConversionError(f"{tokenizer} has {len(tok)} pieces; the checkpoint embeds {cfg.vocab_size}")
     with torch.device("meta"):
