@@ -10,6 +10,7 @@ whole env step; tests and benchmarks capture stages with :class:`flashrt.runtime
 buffer                  shape                                                       written by
 ======================  ==========================================================  =========
 policy.text_ids/mask    (L,) int64 / bool                                           the owner / set_text
+policy.prompt_ids/mask  (L,) int64 / bool    pi0.5: the newest frame's prompt       encode_observation
 policy.kv_text          (S, 2, g, L, d)      instruction keys/values (block A)      encode_instruction / set_text
                         (``text_first`` policies only)
 policy.kv_ring          (S, 2, g, R, d)      previous frames' keys/values           encode_observation
@@ -30,6 +31,10 @@ pi0's layout (``prefix_order="images_first"``) has no block A: the language toke
 image tokens in block B, which ``encode_observation`` encodes from ``text_ids``/``text_mask``
 with every frame (``kv_obs`` holds images, language and, with ``state_token="suffix"``, the
 state token), so the table holds token ids only and ``encode_instruction`` has nothing to do.
+pi0.5 (``state_token="text"``) writes the frame's discretised state into its prompt:
+``text_ids`` holds the instruction's part, and ``encode_observation`` assembles the frame's
+prompt into ``policy.prompt_ids``/``prompt_mask`` on the device
+(:func:`~flashrt.policies.tokenizer.compose_prompt`) before it encodes block B.
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ from flashrt import kernels, runtime
 from flashrt.kernels import expert_layer
 from flashrt.kernels.rng import draw_normal_
 from flashrt.policies.model import FlowPolicy, Prefix
+from flashrt.policies.tokenizer import compose_prompt
 from flashrt.policies.weights import tokenizer_for
 from flashrt.runtime import BufferSet, BufferSpec, slot
 from flashrt.runtime.views import bind_views
@@ -68,6 +74,11 @@ def policy_specs(model: FlowPolicy) -> list[BufferSpec]:
         slot("policy.rng_key", (), torch.int64),
         slot("policy.rng_counter", (), torch.int64),
     ]
+    if c.state_token == "text":
+        specs += [
+            slot("policy.prompt_ids", (c.max_text_len,), torch.int64),
+            slot("policy.prompt_mask", (c.max_text_len,), torch.bool),
+        ]
     if c.n_obs_steps > 1:
         specs += [
             slot("policy.kv_ring", (*kv, c.ring_tokens, c.head_dim), dt),
@@ -93,6 +104,8 @@ class PolicyState:
     rng_key: torch.Tensor
     rng_counter: torch.Tensor
     kv_text: torch.Tensor | None = None
+    prompt_ids: torch.Tensor | None = None
+    prompt_mask: torch.Tensor | None = None
     kv_ring: torch.Tensor | None = None
     ring_valid: torch.Tensor | None = None
 
@@ -115,13 +128,12 @@ class InstructionTable:
     def __init__(self, model: FlowPolicy, texts: Sequence[str]) -> None:
         if not texts:
             raise ValueError("an instruction table needs at least one instruction")
-        if model.cfg.state_token == "text":
-            raise ValueError(
-                "this policy (pi0.5) writes the state into its prompt, so its token ids change with every "
-                "observation; a table of fixed prompts cannot hold them (tokenize on the host per step)"
-            )
-        device = next(model.parameters()).device
-        ids, mask = tokenizer_for(model).encode(list(texts))
+        c, device, tok = model.cfg, next(model.parameters()).device, tokenizer_for(model)
+        if c.state_token == "text":  # pi0.5: the prompts' instruction parts; the state joins per frame
+            tok.check_state_prompt(texts, c.dataset_proprio_dim or c.proprio_dim)
+            ids, mask = tok.prompt_heads(texts)
+        else:
+            ids, mask = tok.encode(list(texts))
         self.texts = tuple(texts)
         self.ids, self.mask = ids.to(device), mask.to(device)
         self.kv = None
@@ -149,6 +161,9 @@ class PolicyPipeline:
         self.cfg = model.cfg
         self.bufs = bufs
         self.state = bind_views(PolicyState, bufs, "policy")
+        self._state_parts = None  # pi0.5: the prompt's state part, constants of every captured step
+        if self.cfg.state_token == "text":
+            self._state_parts = tokenizer_for(model).state_parts().to(bufs.device)
 
     def __getitem__(self, name: str) -> torch.Tensor:
         return self.bufs[f"policy.{name}"]
@@ -202,15 +217,27 @@ class PolicyPipeline:
             s.ring_valid.masked_fill_(m[:, None], False)
 
     def _text(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """What ``encode_frame`` reads beside the frame: the language of an ``images_first`` policy."""
-        return None if self.cfg.text_block else (self.state.text_ids, self.state.text_mask)
+        """What ``encode_frame`` reads beside the frame: the language of an ``images_first`` policy
+        (pi0.5: the frame's prompt)."""
+        s = self.state
+        if self.cfg.text_block:
+            return None
+        return (s.text_ids, s.text_mask) if s.prompt_ids is None else (s.prompt_ids, s.prompt_mask)
+
+    def _prompt(self, proprio: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """pi0.5's prompt of a frame with state ``proprio``: the slot's instruction part and the
+        normalised state's bins (ids and mask, (slots, L))."""
+        c, s = self.cfg, self.state
+        states = self.model.normalize_state(proprio)[:, : c.dataset_proprio_dim or c.proprio_dim]
+        return compose_prompt(s.text_ids, s.text_mask, states, self._state_parts)
 
     def _context(self, newest: bool) -> Prefix:
         """The prefix segments, in place: instruction, ring (if any), and with ``newest`` the
         newest frame (``images_first``: block B alone, language padding masked)."""
         c, s = self.cfg, self.state
         if not c.text_block:
-            return self.model.frame_segments(s.kv_obs, s.obs_valid, s.text_mask) if newest else []
+            mask = s.text_mask if s.prompt_mask is None else s.prompt_mask
+            return self.model.frame_segments(s.kv_obs, s.obs_valid, mask) if newest else []
         segments = [(s.kv_text, s.text_mask)]
         if s.kv_ring is not None:
             ring_mask = s.ring_valid[:, :, None].expand(-1, -1, c.frame_tokens)  # one flag per ring frame
@@ -246,6 +273,10 @@ class PolicyPipeline:
                 valid[:, :-1].copy_(valid[:, 1:].clone())
             ring[..., -t:, :].copy_(s.kv_obs)
             valid[:, -1].copy_(s.obs_valid)
+        if s.prompt_ids is not None:
+            ids, mask = self._prompt(s.proprio)
+            s.prompt_ids.copy_(ids)
+            s.prompt_mask.copy_(mask)
         _, feats = self.model.encode_frame(
             s.image, s.proprio, s.frame, self._context(newest=False), kv_out=s.kv_obs, text=self._text()
         )
@@ -258,7 +289,8 @@ class PolicyPipeline:
         """Pooled features (slots, D) of the frame ``image``/``proprio`` as :meth:`encode_observation`
         would compute them next, written into ``out``; no buffer of the policy changes (the
         terminal observation of an episode that is reset in the same step)."""
-        _, feats = self.model.encode_frame(image, proprio, self.state.frame, self._context_of_next(), text=self._text())
+        text = self._text() if self.state.prompt_ids is None else self._prompt(proprio)
+        _, feats = self.model.encode_frame(image, proprio, self.state.frame, self._context_of_next(), text=text)
         out.copy_(feats)
 
     def draw_noise(self) -> None:

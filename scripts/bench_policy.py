@@ -22,8 +22,9 @@ run:
   dependent launches overlap).
 
 ``lerobot_pi0`` / ``lerobot_pi05`` (``--exact``) are LeRobot's pi0 / pi0.5 at full size with
-their exact computation (what the converter produces; random weights, random prompt tokens):
-images then language in one block B, encoded with every observation.
+their exact computation (what the converter produces; random weights, and the tests' small
+SentencePiece model standing in for PaliGemma's tokenizer): images then language in one block B,
+encoded with every observation (pi0.5: the prompt with the state assembled first).
 
     python scripts/bench_policy.py --out bench_policy.json
     python scripts/bench_policy.py --tiny-batches --pi0-batches --exact lerobot_pi0 lerobot_pi05 \
@@ -44,29 +45,26 @@ from benchlib import count_kernels, gpu_rates, graph_kernels, provenance, top_ke
 from torch.utils.flop_counter import FlopCounterMode
 
 from flashrt import kernels
-from flashrt.policies import PRESETS, FlowPolicy, PolicyPipeline, policy_specs, tokenizer_for
+from flashrt.policies import PRESETS, FlowPolicy, InstructionTable, PaliGemmaTokenizer, PolicyPipeline, policy_specs
 from flashrt.runtime import BufferSet, Graph
 from flashrt_gym.tasks import TabletopConfig
 
 EXACT = ("lerobot_pi0", "lerobot_pi05")
+TOKENIZER = Path(__file__).parents[1] / "tests" / "policies" / "fixtures" / "tokenizer.model"
 
 
 def make_pipeline(model: FlowPolicy, n: int) -> PolicyPipeline:
+    cfg = model.cfg
+    if cfg.tokenizer == "paligemma":  # random weights: the tests' small SentencePiece model stands in for PaliGemma's
+        model.tokenizer = PaliGemmaTokenizer(TOKENIZER.read_bytes(), cfg.max_text_len, cfg.state_token == "text")
     bufs = BufferSet(policy_specs(model), n, "cuda", deployment="bench")
     p = PolicyPipeline(model, bufs)
-    cfg = model.cfg
-    if cfg.tokenizer == "words":
-        ids, mask = tokenizer_for(cfg).encode(["push the red square to the left goal"] * n)
-    else:  # random weights, random prompt tokens: two thirds of the prompt real, the rest padding
-        ids = torch.randint(4, cfg.embed_rows, (n, cfg.max_text_len))
-        mask = (torch.arange(cfg.max_text_len) < cfg.max_text_len * 2 // 3).expand(n, -1)
-    bufs["policy.text_ids"].copy_(ids)
-    bufs["policy.text_mask"].copy_(mask)
+    table = InstructionTable(model, ["push the red square to the left goal"])
+    p.set_text(table, torch.zeros(n, dtype=torch.int64, device="cuda"))
     bufs["policy.image"].random_(0, 256)
     bufs["policy.proprio"].uniform_(-1, 1)
     bufs["policy.noise"].normal_()
     p.begin_episode()
-    p.encode_instruction()
     for _ in range(cfg.n_obs_steps):  # fill the history ring
         p.encode_observation()
     return p
@@ -89,7 +87,8 @@ def pure_step(model: FlowPolicy, p: PolicyPipeline) -> Callable[[], torch.Tensor
 
     compiled = torch.compile(step, mode="reduce-overhead")
     s = p.state
-    args = (s.image, s.proprio, s.frame, s.kv_text, s.text_ids, s.text_mask, s.kv_ring, s.ring_valid, s.noise)
+    ids, mask = (s.text_ids, s.text_mask) if s.prompt_ids is None else (s.prompt_ids, s.prompt_mask)  # pi0.5: encoded
+    args = (s.image, s.proprio, s.frame, s.kv_text, ids, mask, s.kv_ring, s.ring_valid, s.noise)
     return lambda: compiled(*args)
 
 

@@ -8,11 +8,12 @@ switched off the same comparison must fail.
 """
 
 import dataclasses
+import json
 
 import pytest
 import torch
 
-from flashrt.policies import FlowPolicy, PolicyPipeline, policy_specs
+from flashrt.policies import FlowPolicy, InstructionTable, PolicyPipeline, policy_specs
 from flashrt.policies.model import AdaRMSNorm
 from flashrt.runtime import BufferSet, Graph
 from tests.policies.golden import KINDS, golden, load_converted
@@ -24,13 +25,12 @@ BF16_TOL = 0.03
 and the error of a few layers and ten Euler steps compounds to ~1e-2; a wrong option is O(0.1-1)."""
 
 
-def fed(model: FlowPolicy, g) -> PolicyPipeline:
-    """The pipeline over the fixture's two samples: the prompt tokens LeRobot's processor made
-    (pi0.5's hold the state), the frame, the noise."""
+def fed(model: FlowPolicy, g, meta) -> PolicyPipeline:
+    """The pipeline over the fixture's two samples: their instructions (pi0.5's prompts are
+    assembled with the state on the device), the frame, the noise."""
     p = PolicyPipeline(model, BufferSet(policy_specs(model), 2, "cuda", deployment="lerobot-golden"))
     p.begin_episode()
-    p["text_ids"].copy_(g["text_ids"])
-    p["text_mask"].copy_(g["text_mask"])
+    p.set_text(InstructionTable(model, json.loads(meta["tasks"])), torch.arange(2, device="cuda"))
     p["image"].copy_(g["images"])
     p["proprio"][:, : g["state"].shape[1]].copy_(g["state"])
     p["noise"].copy_(g["noise"])
@@ -49,9 +49,9 @@ def error(model: FlowPolicy, actions: torch.Tensor, g) -> float:
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_bf16_graph_replay_is_within_bf16_rounding_of_lerobot(tmp_path, monkeypatch, kind):
-    g, _ = golden(kind)
+    g, meta = golden(kind)
     model = load_converted(kind, tmp_path, device="cuda", dtype=torch.bfloat16)
-    eager, graphed = fed(model, g), fed(model, g)
+    eager, graphed = fed(model, g, meta), fed(model, g, meta)
     step(eager)
     graph = Graph(f"{kind}-golden").bind(graphed.bufs)
     graph.capture(2, lambda: step(graphed))
@@ -68,6 +68,7 @@ def test_bf16_graph_replay_is_within_bf16_rounding_of_lerobot(tmp_path, monkeypa
     options = {"norm_plus_one": False} if kind == "pi0" else {}
     wrong = FlowPolicy(dataclasses.replace(model.cfg, **options)).to("cuda", torch.bfloat16).eval()
     wrong.load_state_dict(model.state_dict())
-    p = fed(wrong, g)
+    wrong.tokenizer = model.tokenizer
+    p = fed(wrong, g, meta)
     step(p)
     assert error(wrong, p["actions"], g) > 5 * BF16_TOL

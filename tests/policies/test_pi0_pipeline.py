@@ -82,9 +82,26 @@ def test_captured_stages_equal_direct_calls_and_restores_are_exact(pi0):
     assert not torch.allclose(next_actions(), want)
 
 
-def test_a_pi05_instruction_table_is_refused(tmp_path):
+def test_pi05_prompts_are_assembled_on_the_device_as_lerobot_tokenizes_them(tmp_path):
+    """pi0.5's prompt holds the frame's discretised state: encode_observation assembles it from
+    the instruction's part and the state (captured, it equals the direct call), giving LeRobot's
+    token ids and actions; a tokenizer that does not split the prompt at the state is refused."""
     model = load_converted("pi05", tmp_path)
-    with pytest.raises(ValueError, match="writes the state into its prompt"):
+    g, meta = golden("pi05")
+    direct, graphed = fed(model, g, meta), fed(model, g, meta)
+    assert not torch.equal(direct["text_ids"], g["text_ids"])  # the instruction's part only
+    replay = capture(graphed)
+    direct.encode_observation()
+    direct.denoise()
+    replay("encode_observation")
+    replay("denoise")
+    assert torch.equal(direct.bufs.slot_arena, graphed.bufs.slot_arena)
+    assert torch.equal(direct["prompt_ids"], g["text_ids"]) and torch.equal(direct["prompt_mask"], g["text_mask"])
+    assert relative_error(model.normalize_actions(direct["actions"]), g["actions_normalized"]) <= TOL
+    tok = model.tokenizer
+    whole = tok.sp.encode  # the mutation: a tokenizer that segments the whole prompt otherwise than its parts
+    tok.sp.encode = lambda text: whole(text.replace(";\nAction", "; Action")) if "Task:" in text else whole(text)
+    with pytest.raises(ValueError, match="does not split pi0.5's prompt"):
         InstructionTable(model, ["open the drawer"])
 
 
