@@ -29,6 +29,10 @@ from flashrt.kernels import attention as few_row_attention
 from flashrt.kernels.backend import tl, triton, use_triton
 from flashrt.kernels.grouped_attention import Segment
 
+VERSION = 1
+"""Bumped when this kernel's numerics or routing change: deployment digests name it (a capsule
+made with another version is refused, as with ``flashrt.kernels.__version__``)."""
+
 MIN_ROWS = 2048
 """Query rows per key/value head (``h / g`` x tokens) from which a call takes this kernel: pi0's
 block B (8 x ~800); the expert's 8 x 50 rows and every ``tiny`` call stay on the few-row kernel."""

@@ -48,6 +48,7 @@ import torch
 from flashrt import kernels, runtime
 from flashrt.kernels import expert_layer
 from flashrt.kernels.rng import draw_normal_
+from flashrt.policies import attention_long
 from flashrt.policies.model import FlowPolicy, Prefix
 from flashrt.policies.tokenizer import compose_prompt
 from flashrt.policies.weights import tokenizer_for
@@ -116,6 +117,8 @@ def deployment_digest(model: FlowPolicy, weights_id: str) -> str:
     impl = kernels.implementation(next(model.parameters()).device)
     if impl == "triton" and expert_layer.runs_for(*model.expert[0].fused_weights()):  # sums in another order
         impl += "+expert_layer"
+    if impl.startswith("triton"):  # long prefix blocks (pi0's) take the flash kernel
+        impl += f"+attention_long-{attention_long.VERSION}"
     text = "|".join([model.cfg.to_json(), weights_id, str(model.dtype), runtime.__version__, kernels.__version__, impl])
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
