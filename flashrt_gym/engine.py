@@ -26,12 +26,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+import numpy as np
 import torch
 
 from flashrt import runtime
 from flashrt.policies import FlowPolicy, InstructionTable, PolicyConfig, PolicyPipeline, deployment_digest, policy_specs
 from flashrt.runtime import BufferSpec, Capsule, Graph, scratch, slot
 from flashrt.runtime.views import bind_views
+from flashrt_gym.external import ExternalSimulator, Mirror, is_external
 from flashrt_gym.simulator import Simulator
 
 ObsForm = Literal["state", "features", "rgb"]
@@ -76,10 +78,12 @@ class EpisodeState:
 @dataclass(frozen=True)
 class StepInputs:
     """What a step reads (``env.in.*``, scratch): the agent's actions as given, the guard's flag
-    (every action in bounds) and room for the reward the step does not return."""
+    (every action in bounds), the chunk the simulator executes, and room for the reward the
+    step does not return."""
 
     action: torch.Tensor
     action_ok: torch.Tensor
+    chunk: torch.Tensor
     other_reward: torch.Tensor
 
 
@@ -118,7 +122,7 @@ class Engine:
 
     def __init__(
         self,
-        sim: Simulator,
+        sim: Simulator | ExternalSimulator,
         model: FlowPolicy,
         weights_id: str,
         num_slots: int,
@@ -127,13 +131,16 @@ class Engine:
         backend: runtime.graphs.Backend = "auto",
     ) -> None:
         c = model.cfg
+        self.mirror = Mirror(sim) if is_external(sim) else None
+        sim = self.mirror or sim
         _check_fit(sim, c, cfg)
         self.sim, self.cfg = sim, cfg
         device = next(model.parameters()).device
         identity = f"{sim.identity()}|n_action_steps={cfg.n_action_steps}|max_episode_steps={cfg.max_episode_steps}"
         digest = deployment_digest(model, weights_id + identity)
         episode = [slot("env.episode.steps", (), torch.int64)]
-        specs = [*sim.specs(), *policy_specs(model), *episode, *self._io_specs(c, num_slots)]
+        pending = self.mirror.scratch_specs(num_slots) if self.mirror else []
+        specs = [*sim.specs(), *policy_specs(model), *episode, *pending, *self._io_specs(c, num_slots)]
         self.bufs = runtime.BufferSet(specs, num_slots, device, deployment=digest)
         sim.bind(self.bufs)
         self.policy = PolicyPipeline(model, self.bufs)
@@ -145,8 +152,7 @@ class Engine:
         self.final = bind_views(Observations, self.bufs, "env.final")
         first = self.bufs.names("scratch").index("env.out.reward")
         self.output_names = self.bufs.names("scratch")[first:]  # back to back: one copy reads them out
-        self.graph = Graph("env.step", backend=backend, max_variants=1).bind(self.bufs)
-        self._key = ("step", num_slots)
+        self.graph = Graph("env.step", backend=backend, max_variants=2).bind(self.bufs)
 
     def _io_specs(self, c: PolicyConfig, n: int) -> list[BufferSpec]:
         """The step's scratch buffers, outputs last and back to back."""
@@ -161,6 +167,7 @@ class Engine:
         return [
             scratch("env.in.action", (n, agent_dim)),
             scratch("env.in.action_ok", (1,), torch.bool),
+            scratch("env.in.chunk", (n, cfg.n_action_steps, self.sim.action_dim)),
             scratch("env.in.other_reward", (n,)),
             scratch("env.out.reward", (n,)),
             scratch("env.out.terminated", (n,), torch.bool),
@@ -222,11 +229,9 @@ class Engine:
         torch.le(torch.linalg.vector_norm(self.inputs.action, float("inf")), 1.0 + 1e-6, out=ok[0])
         return ok
 
-    def program(self) -> None:
-        """One action chunk for every slot, on the actions in ``env.in.action``: the step
-        program :meth:`launch` captures and replays (call it directly to run it eagerly, e.g. to
-        count or profile its kernels)."""
-        cfg, sim, p, out = self.cfg, self.sim, self.policy.state, self.outputs
+    def _act(self) -> None:
+        """The agent's action -> the policy's chunk -> ``env.in.chunk``, what the simulator runs."""
+        cfg, sim, p = self.cfg, self.sim, self.policy.state
         n, horizon, dim = p.noise.shape
         a = self.inputs.action.view(n, -1, dim).expand(n, horizon, dim)
         if cfg.action_mode == "noise":
@@ -237,10 +242,17 @@ class Engine:
             self.policy.draw_noise()
             self.policy.denoise()
             chunk = (p.actions + a * cfg.residual_scale).clamp(-1.0, 1.0)
-        dense, sparse = (out.reward, self.inputs.other_reward)
-        if cfg.reward_mode == "sparse":
-            dense, sparse = sparse, dense
-        sim.run_ticks(chunk[:, : cfg.n_action_steps, : sim.action_dim], dense, sparse)
+        self.inputs.chunk.copy_(chunk[:, : cfg.n_action_steps, : sim.action_dim])
+
+    def _rewards(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Where the simulator's (dense, sparse) rewards go: the returned one into ``env.out``."""
+        out, other = self.outputs.reward, self.inputs.other_reward
+        return (out, other) if self.cfg.reward_mode == "dense" else (other, out)
+
+    def _finish(self) -> None:
+        """After the ticks: episode counters and flags, the finished slots' final observations
+        and next episodes (with autoreset), render and encode, observations."""
+        cfg, sim, p, out = self.cfg, self.sim, self.policy.state, self.outputs
         self.episode.steps.add_(1)
         out.terminated.copy_(sim.success)
         torch.bitwise_and(self.episode.steps >= cfg.max_episode_steps, ~sim.success, out=out.truncated)
@@ -261,6 +273,14 @@ class Engine:
         self._observe()
         self._write(self.obs)
 
+    def program(self) -> None:
+        """One action chunk for every slot, on the actions in ``env.in.action``: the step
+        program :meth:`launch` captures and replays for an in-graph simulator (call it directly
+        to run it eagerly, e.g. to count or profile its kernels)."""
+        self._act()
+        self.sim.run_ticks(self.inputs.chunk, *self._rewards())
+        self._finish()
+
     # -- the verbs the env calls ---------------------------------------------------------------
     def start(self, seeds: torch.Tensor | None, mask: torch.Tensor | None = None) -> None:
         """New episodes in every slot of ``mask`` (all if None); the other slots are left byte
@@ -269,6 +289,8 @@ class Engine:
         the seed alone); without, each slot draws the next episode of its stream. Then the
         episode is drawn, its instruction set, its first frame encoded, observations written."""
         saved = None if mask is None else self.bufs.slot_arena.clone()
+        if self.mirror is not None:
+            self.mirror.host_start(seeds, mask)
         if seeds is not None:
             self.sim.seed(seeds)
             p = self.policy.state
@@ -281,21 +303,38 @@ class Engine:
         self._write(self.obs)
 
     def launch(self, actions: torch.Tensor) -> None:
-        """Copy ``actions`` in and replay the step (captured on first use). The step runs only
-        where every action is in bounds: :meth:`held` says whether it did."""
+        """Copy ``actions`` in and run the step: one replay of the captured program (captured on
+        first use); for an external simulator, the act graph, the host hand-off and the finish
+        graph. The step runs only where every action is in bounds: :meth:`held` says whether it
+        did."""
         self.inputs.action.copy_(actions)
-        if self._key not in self.graph:
-            self.graph.capture(self._key, self.program, guard=self._guard)
-        self.graph.replay(self._key)
+        if self.mirror is None:
+            if "step" not in self.graph:
+                self.graph.capture("step", self.program, guard=self._guard)
+            self.graph.replay("step")
+            return
+        if "act" not in self.graph:
+            self.graph.capture("act", self._act, guard=self._guard)
+            self.graph.capture("finish", self._finish)
+        self.graph.replay("act")
+        if not self.held():
+            return
+        cfg = self.cfg
+        rewards = self.mirror.host_step(self.inputs.chunk, self.episode.steps, cfg.max_episode_steps, cfg.autoreset)
+        for dst, src in zip(self._rewards(), rewards, strict=True):
+            dst.copy_(torch.from_numpy(np.ascontiguousarray(src, dtype=np.float32)))
+        self.graph.replay("finish")
 
     def replay(self) -> None:
         """Replay the captured step on the actions already in ``env.in.action`` (no copies, no
         checks): how benchmarks time the step program alone. Call :meth:`launch` once first."""
-        self.graph.replay(self._key)
+        if self.mirror is not None:
+            raise ValueError("an external simulator's step is two graphs and a host hand-off: time launch()")
+        self.graph.replay("step")
 
     def held(self) -> bool:
         """Whether the last launch's actions were in bounds (its step ran); waits for the guard."""
-        return self.graph.held(self._key)
+        return self.graph.held("act" if self.mirror is not None else "step")
 
     def read_outputs(self, device: torch.device | str | None = None) -> dict[str, torch.Tensor]:
         """Copies of the step's outputs and observations (:attr:`output_names`), made by one
@@ -309,7 +348,10 @@ class Engine:
     def set_instruction(self, index: int, slots: torch.Tensor | None) -> None:
         """Give ``slots`` (all if None) the instruction ``index`` and its keys/values."""
         instr = self.sim.instruction
-        if slots is None:
+        if self.mirror is not None:
+            self.mirror.host.set_instruction(index, None if slots is None else slots.cpu().numpy())
+            self.mirror.host_refresh()
+        elif slots is None:
             instr.fill_(index)
         else:
             instr[slots] = index
@@ -341,11 +383,17 @@ class Engine:
         capsule itself and skips it); observations written."""
         if check:
             self.check(capsule)
+        if self.mirror is not None:  # the host first: it refuses a bad row before anything moves
+            self.mirror.host_write(capsule.slots if slots is None else slots, capsule.tensor("sim.state"))
         runtime.restore(self.bufs, capsule, slots)
         self._write(self.obs)
 
     def rollback(self, capsule: Capsule) -> None:
         """Return to an earlier boundary of this same buffer set; observations written."""
+        if capsule.origin != self.bufs.uid:
+            runtime.rollback(self.bufs, capsule)  # refuses it, naming the mistake
+        if self.mirror is not None:
+            self.mirror.host_write(capsule.slots, capsule.tensor("sim.state"))
         runtime.rollback(self.bufs, capsule)
         self._write(self.obs)
 
@@ -353,10 +401,15 @@ class Engine:
         """Copy slot ``src``'s boundary into ``dst``; with ``reseed`` each destination gets its
         own random streams (policy noise, later episodes). Observations written."""
         runtime.fork(self.bufs, src, dst)
+        if self.mirror is not None:
+            self.mirror.host_write(dst, self.mirror.state.state[src : src + 1].expand(len(dst), -1))
         if reseed:
             idx = torch.tensor(list(dst), device=self.device)
             for key in (self.policy.state.rng_key, self.sim.rng_key):
                 key[idx] = _reseed(key[idx], idx)
+            if self.mirror is not None:
+                self.mirror.host.seed(self.sim.rng_key[idx].cpu().numpy(), np.asarray(dst))
+                self.mirror.host_refresh()
         self._write(self.obs)
 
 

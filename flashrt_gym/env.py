@@ -20,9 +20,11 @@ from gymnasium.vector import AutoresetMode, VectorEnv
 
 from flashrt.policies import load
 from flashrt.runtime import Capsule
+from flashrt_gym import arguments
 from flashrt_gym.assets import TINY
 from flashrt_gym.devices import policy_dtype, resolve_device
 from flashrt_gym.engine import Engine, StepConfig
+from flashrt_gym.external import ExternalSimulator
 from flashrt_gym.simulator import Simulator
 from flashrt_gym.starts import StartCache
 from flashrt_gym.tasks import Tabletop, TabletopConfig
@@ -67,8 +69,9 @@ class FlashRTVectorEnv(VectorEnv):
     repeat_over_horizon: one ``action_dim`` action per step, repeated over the horizon.
     n_action_steps: actions of each chunk executed per step. max_episode_steps: chunks per episode.
     task: the built-in tabletop's :class:`TabletopConfig` (or a dict of its fields).
-    simulator: a callable returning a fresh :class:`~flashrt_gym.simulator.Simulator` (default: the
-    tabletop of ``task``). weights: a policy folder (default: the shipped ``tiny`` policy).
+    simulator: a callable that takes ``num_envs`` and returns a fresh simulator, in-graph
+    (:class:`~flashrt_gym.simulator.Simulator`) or external (:class:`~flashrt_gym.external.ExternalSimulator`)
+    (default: the tabletop of ``task``). weights: a policy folder (default: the shipped ``tiny`` policy).
     device: ``"auto"`` (CUDA when present), ``"cpu"`` or ``"cuda"``. graphs: capture the step as a
     CUDA graph (eager when False or on the CPU). start_cache_bytes: device bytes of seeded episode
     starts kept for repeated ``reset(seed=...)`` (default: one set where that is at most 1/16 of the
@@ -94,7 +97,7 @@ class FlashRTVectorEnv(VectorEnv):
         n_action_steps: int = 4,
         max_episode_steps: int = 40,
         task: TabletopConfig | dict | None = None,
-        simulator: Callable[[], Simulator] | None = None,
+        simulator: Callable[[int], Simulator | ExternalSimulator] | None = None,
         weights: str | os.PathLike | None = None,
         device: str | torch.device | None = "auto",
         graphs: bool = True,
@@ -102,30 +105,32 @@ class FlashRTVectorEnv(VectorEnv):
         render_mode: str | None = None,
         autoreset: bool = True,
     ) -> None:
-        self.num_envs = _count("num_envs", num_envs)
-        self.obs_mode = _choose("obs_mode", obs_mode, OBS_MODES)
-        _choose("render_mode", render_mode, (None, "rgb_array"))
+        self.num_envs = arguments.count("num_envs", num_envs)
+        self.obs_mode = arguments.choose("obs_mode", obs_mode, OBS_MODES)
+        arguments.choose("render_mode", render_mode, (None, "rgb_array"))
         self.render_mode, self.autoreset, self.device = render_mode, bool(autoreset), resolve_device(device)
         if simulator is not None and task is not None:
             raise ValueError("pass task (the built-in tabletop's options) or simulator, not both")
-        sim = simulator() if simulator is not None else Tabletop(_task(task))
+        sim = simulator(self.num_envs) if simulator is not None else Tabletop(arguments.tabletop_config(task))
         model, weights_id = load(Path(weights or TINY), device=self.device, dtype=policy_dtype(self.device))
         forms = ("state", "features", "rgb") if obs_mode == "dict" else (obs_mode,)
         self.step_config = StepConfig(
-            _choose("action_mode", action_mode, ACTION_MODES),
-            _choose("reward_mode", reward_mode, REWARD_MODES),
-            _positive("noise_bound", noise_bound),
-            _positive("residual_scale", residual_scale),
+            arguments.choose("action_mode", action_mode, ACTION_MODES),
+            arguments.choose("reward_mode", reward_mode, REWARD_MODES),
+            arguments.positive("noise_bound", noise_bound),
+            arguments.positive("residual_scale", residual_scale),
             bool(repeat_over_horizon),
-            _count("n_action_steps", n_action_steps),
-            _count("max_episode_steps", max_episode_steps),
+            arguments.count("n_action_steps", n_action_steps),
+            arguments.count("max_episode_steps", max_episode_steps),
             forms,
             self.autoreset,
         )
         self.engine = Engine(
             sim, model, weights_id, self.num_envs, self.step_config, backend="auto" if graphs else "eager"
         )
-        self.starts = StartCache(_default_cache(self.engine) if start_cache_bytes is None else start_cache_bytes)
+        self.starts = StartCache(
+            arguments.default_start_cache_bytes(self.engine) if start_cache_bytes is None else start_cache_bytes
+        )
         self.started = False
         self.single_action_space = spaces.Box(-1.0, 1.0, self.engine.inputs.action.shape[1:], np.float32)
         bound = np.inf if sim.observation_bound is None else sim.observation_bound
@@ -229,7 +234,7 @@ class FlashRTVectorEnv(VectorEnv):
     def snapshot(self, slots: Sequence[int] | None = None) -> Capsule:
         """The state of all slots (or of ``slots``) at this step boundary, as a capsule."""
         self._check_open()
-        return self.engine.snapshot(None if slots is None else self._slots(slots, "snapshot"))
+        return self.engine.snapshot(None if slots is None else self._slot_list(slots, "snapshot"))
 
     def restore(self, capsule: Capsule, slots: Sequence[int] | None = None) -> Obs:
         """Restore a capsule of this env's configuration (all-or-nothing: everything is checked
@@ -237,7 +242,7 @@ class FlashRTVectorEnv(VectorEnv):
         self._check_open()
         if not isinstance(capsule, Capsule):
             raise TypeError(f"restore takes a Capsule (from snapshot() or Capsule.load), got {type(capsule).__name__}")
-        self.engine.restore(capsule, None if slots is None else self._slots(slots, "restore"))
+        self.engine.restore(capsule, None if slots is None else self._slot_list(slots, "restore"))
         self.started = True
         return self._obs()
 
@@ -251,8 +256,8 @@ class FlashRTVectorEnv(VectorEnv):
         """Copy slot ``src_slot``'s boundary into ``dst_slots``. With ``reseed`` each destination
         gets its own random streams (residual-mode noise and later episodes then differ)."""
         self._check_open()
-        (src,) = self._slots([src_slot], "fork source")
-        self.engine.fork(src, self._slots(dst_slots, "fork"), reseed=bool(reseed))
+        (src,) = self._slot_list([src_slot], "fork source")
+        self.engine.fork(src, self._slot_list(dst_slots, "fork"), reseed=bool(reseed))
         return self._obs()
 
     def set_instruction(self, text: str, slots: Sequence[int] | None = None) -> Obs:
@@ -263,7 +268,7 @@ class FlashRTVectorEnv(VectorEnv):
         texts = self.engine.instructions.texts
         if text not in texts:
             raise ValueError(f"unknown instruction {text!r}; this simulator's instructions are {list(texts)}")
-        idx = None if slots is None else torch.tensor(self._slots(slots, "set_instruction"), device=self.device)
+        idx = None if slots is None else torch.tensor(self._slot_list(slots, "set_instruction"), device=self.device)
         self.engine.set_instruction(texts.index(text), idx)
         return self._obs()
 
@@ -272,20 +277,8 @@ class FlashRTVectorEnv(VectorEnv):
         if self.closed:
             raise RuntimeError("this env is closed; make a new one")
 
-    def _slots(self, slots: Any, what: str) -> list[int]:
-        """``slots`` as a non-empty list of distinct slot indices in range (no negatives, no bools)."""
-        want = f"distinct integers in [0, {self.num_envs})"
-        if isinstance(slots, (str, bytes)) or not isinstance(slots, (Sequence, range, np.ndarray, torch.Tensor)):
-            raise TypeError(f"{what}: slots must be a sequence of {want}, got {type(slots).__name__}")
-        items = slots.tolist() if isinstance(slots, (np.ndarray, torch.Tensor)) else list(slots)
-        if any(isinstance(s, bool) or not isinstance(s, (int, np.integer)) for s in items):
-            raise TypeError(f"{what}: slots must be {want}, got {items!r:.80}")
-        out = [int(s) for s in items]
-        if not out:
-            raise ValueError(f"{what}: empty list of slots; name at least one slot in [0, {self.num_envs})")
-        if any(not 0 <= s < self.num_envs for s in out) or len(set(out)) != len(out):
-            raise ValueError(f"{what}: slots must be {want}, got {out}")
-        return out
+    def _slot_list(self, slots: Any, what: str) -> list[int]:
+        return arguments.slot_list(slots, self.num_envs, what)
 
     def _check_shape(self, a: np.ndarray | torch.Tensor) -> None:
         want = (self.num_envs, *self.single_action_space.shape)
@@ -321,13 +314,10 @@ class FlashRTVectorEnv(VectorEnv):
         outputs = self.engine.read_outputs()
         if not host:
             return outputs
-        storage = next(iter(outputs.values())).untyped_storage()
-        if self.device.type == "cpu":
-            fresh = np.frombuffer(bytes(storage), dtype=np.uint8)
-        else:
-            self._staging.untyped_storage().copy_(storage, non_blocking=True)
+        self._staging.untyped_storage().copy_(next(iter(outputs.values())).untyped_storage(), non_blocking=True)
+        if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
-            fresh = self._staging.numpy().copy()
+        fresh = self._staging.numpy().copy()  # the caller's to keep and write
         return {
             k: fresh[v.storage_offset() * v.element_size() :][: v.nbytes].view(_NUMPY[v.dtype]).reshape(v.shape)
             for k, v in outputs.items()
@@ -341,66 +331,7 @@ class FlashRTVectorEnv(VectorEnv):
         return self._pick(self._read(host=True), "obs")
 
 
-class FlashRTEnv(gym.Env):
-    """The single-env form of :class:`FlashRTVectorEnv` (``gym.make("FlashRT-VLA")``): one slot,
-    no autoreset (call ``reset`` after an episode ends). Same arguments except ``num_envs``."""
-
-    metadata: ClassVar[dict[str, Any]] = {"render_modes": ["rgb_array"], "render_fps": 10}
-
-    def __init__(self, render_mode: str | None = None, **kwargs: Any) -> None:
-        if "num_envs" in kwargs or "autoreset" in kwargs:
-            raise ValueError("FlashRTEnv is one slot without autoreset; use FlashRTVectorEnv for more")
-        self.vec = FlashRTVectorEnv(1, render_mode=render_mode, autoreset=False, **kwargs)
-        self.render_mode = render_mode
-        self.action_space = self.vec.single_action_space
-        self.observation_space = self.vec.single_observation_space
-        self._ended = False
-
-    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[Any, dict[str, Any]]:
-        super().reset(seed=seed)
-        if seed is None and not self.vec.started:
-            seed = int(self.np_random.integers(0, 2**62))
-        obs, info = self.vec.reset(seed=seed, options=options)
-        self._ended = False
-        return _first(obs), {k: v[0] for k, v in info.items()}
-
-    def step(self, action: Any) -> tuple[Any, float, bool, bool, dict[str, Any]]:
-        if self._ended:
-            raise gym.error.ResetNeeded("the episode has ended (terminated or truncated): call reset() before step()")
-        if not isinstance(action, (np.ndarray, list, tuple, torch.Tensor)):
-            raise TypeError(f"action must be an array of shape {self.action_space.shape}, got {type(action).__name__}")
-        obs, reward, term, trunc, _ = self.vec.step(np.asarray(action)[None])
-        self._ended = bool(term[0] or trunc[0])
-        return _first(obs), float(reward[0]), bool(term[0]), bool(trunc[0]), {"is_success": bool(term[0])}
-
-    def render(self) -> np.ndarray | None:
-        frames = self.vec.render()
-        return None if frames is None else frames[0]
-
-    def close(self) -> None:
-        self.vec.close()
-
-    # the capsule verbs of the one slot, as on the vector env
-    def snapshot(self) -> Capsule:
-        return self.vec.snapshot()
-
-    def restore(self, capsule: Capsule) -> Any:
-        self._ended = False
-        return _first(self.vec.restore(capsule))
-
-    def rollback(self, capsule: Capsule) -> Any:
-        self._ended = False
-        return _first(self.vec.rollback(capsule))
-
-    def set_instruction(self, text: str) -> Any:
-        return _first(self.vec.set_instruction(text))
-
-
 _NUMPY = {torch.float32: np.float32, torch.bool: np.bool_, torch.uint8: np.uint8, torch.int64: np.int64}
-
-
-def _first(obs: Any) -> Any:
-    return {k: v[0] for k, v in obs.items()} if isinstance(obs, dict) else obs[0]
 
 
 def _reject(actions: np.ndarray | torch.Tensor) -> None:
@@ -408,39 +339,3 @@ def _reject(actions: np.ndarray | torch.Tensor) -> None:
     if not finite:
         raise ValueError("actions contain NaN or infinity")
     raise ValueError("actions must lie in [-1.0, 1.0] (the action space); clip them first")
-
-
-def _choose(name: str, value: Any, options: Sequence[Any]) -> Any:
-    if value not in options:
-        raise ValueError(f"{name} must be one of {list(options)}, got {value!r}")
-    return value
-
-
-def _count(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-    return int(value)
-
-
-def _positive(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.floating)) or not 0 < value < np.inf:
-        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
-    return float(value)
-
-
-def _task(task: TabletopConfig | dict | None) -> TabletopConfig:
-    if task is None or isinstance(task, TabletopConfig):
-        return task or TabletopConfig()
-    if not isinstance(task, dict):
-        raise TypeError(f"task must be a TabletopConfig or a dict of its fields, got {type(task).__name__}")
-    return TabletopConfig(**task)
-
-
-def _default_cache(engine: Engine) -> int:
-    """One set of starts where that is at most 1/16 of the device's memory, else none."""
-    if engine.device.type == "cuda":
-        total = torch.cuda.get_device_properties(engine.device).total_memory
-    else:
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    one = engine.bufs.state_nbytes
-    return one if one <= total // 16 else 0

@@ -48,6 +48,7 @@ def test_make_and_make_vec_give_the_registered_envs_with_batched_spaces():
     assert info["instruction"].shape == (3,)
     obs, r, te, tr, info = envs.step(envs.action_space.sample())
     assert obs in envs.observation_space and r.dtype == np.float32 and te.dtype == np.bool_ and tr.dtype == np.bool_
+    assert all(x.flags.writeable for x in (obs, r, te, tr))  # the caller's own arrays
 
 
 @pytest.mark.parametrize(("mode", "shape", "dtype"), [("features", (258,), np.float32), ("rgb", (64, 64, 3), np.uint8)])
