@@ -15,6 +15,16 @@ A action dim, D prefix width, E expert width, h heads, g kv heads, d head dim, S
 
 Keys/values are laid out ``(N, S, 2, g, T, d)``: the caches of the static-buffer pipeline
 (`policies.pipeline`) have exactly this shape, and training builds the same tensors on the fly.
+
+pi0 and pi0.5 (LeRobot's / openpi's computation) are configurations of this one model (see
+:class:`~flashrt.policies.config.PolicyConfig`): with ``prefix_order="images_first"`` block B is
+the image tokens then the language tokens in one bidirectional block (no block A); with
+``state_token="suffix"`` the state is the expert's first token, whose keys/values (independent
+of the flow time) are computed once per observation and kept as block B's last token; with
+``time_cond="adarms"`` the flow time modulates the expert's norms (per Euler step the
+modulations are constants, folded once per weights); ``norm_plus_one`` takes Gemma's ``1 + w``
+norm scale; ``state_norm`` / ``action_norm`` apply the dataset statistics stored beside the
+weights.
 """
 
 from __future__ import annotations
@@ -33,13 +43,16 @@ from flashrt.kernels import (
     attention,
     euler_step,
     expert_layer,
+    gelu_mul,
     linear,
     linear_gelu,
+    qkv_rope,
     rms_norm_geglu,
     rms_norm_qkv_rope,
     time_embed,
 )
 from flashrt.kernels.grouped_attention import Segment
+from flashrt.policies import attention_long
 from flashrt.policies.config import PolicyConfig
 
 Prefix = Sequence[tuple[torch.Tensor, torch.Tensor]]
@@ -55,16 +68,57 @@ def layer_segments(prefix: Prefix, layer: int) -> list[Segment]:
 
 
 class RMSNorm(nn.Module):
-    """Gemma-style RMSNorm: float32 statistics, the normed row rounded before the weight."""
+    """Gemma-style RMSNorm: float32 statistics, the normed row rounded before the scale.
 
-    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+    The scale is ``weight``, or with ``plus_one`` Gemma's ``1 + weight`` (folded once per
+    weights, so the kernels take it as a plain scale)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6, plus_one: bool = False) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(dim) if plus_one else torch.ones(dim))
+        self.eps, self.plus_one = eps, plus_one
+        self._scale = Folded(lambda: (1.0 + self.weight,), self.weight) if plus_one else None
+
+    def scale(self) -> torch.Tensor:
+        """What the normed row is multiplied by: ``weight`` or ``1 + weight``."""
+        if self._scale is None:
+            return self.weight
+        if torch.is_grad_enabled() and self.weight.requires_grad:
+            return 1.0 + self.weight
+        return self._scale.get()[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``norm(x)`` (one kernel on CUDA; a decoder layer's norms run inside its projections)."""
-        return add_rms_norm(x, None, self.weight, self.eps)[1]
+        return add_rms_norm(x, None, self.scale(), self.eps)[1]
+
+
+class AdaRMSNorm(nn.Module):
+    """pi0.5's adaptive RMSNorm: a condition ``c`` sets the scale, shift and residual gate,
+    ``(scale, shift, gate) = dense(c)``; ``y = norm(x) * (1 + scale) + shift`` in float32."""
+
+    def __init__(self, dim: int, cond_dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.dense = nn.Linear(cond_dim, 3 * dim)
+        self.eps = eps
+
+    def modulation(self, cond: torch.Tensor) -> torch.Tensor:
+        """(..., 3, dim) float32: ``1 + scale``, ``shift`` and ``gate`` for conditions (..., cond_dim)."""
+        scale, shift, gate = self.dense(cond).float().chunk(3, dim=-1)
+        return torch.stack([1.0 + scale, shift, gate], dim=-2)
+
+
+def modulated_norm(x: torch.Tensor, mod: torch.Tensor, eps: float) -> torch.Tensor:
+    """``norm(x) * mod[0] + mod[1]`` in float32, rounded once to x's dtype; ``mod`` (N, 3, E) or
+    (3, E) from :meth:`AdaRMSNorm.modulation` (LeRobot's ``PiGemmaRMSNorm`` with a condition)."""
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    scale, shift = (mod[:, None, 0], mod[:, None, 1]) if mod.dim() == 3 else (mod[0], mod[1])
+    return (y * scale + shift).to(x.dtype)
+
+
+def gated(mod: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The residual gate of a modulation (N, 3, E) or (3, E), broadcastable over (N, T, E)."""
+    return (mod[:, None, 2] if mod.dim() == 3 else mod[2]).to(dtype)
 
 
 class Folded:
@@ -96,7 +150,8 @@ class Folded:
                 )
             new = self.fn()
             if self.value and all(
-                a.shape == b.shape and a.device == b.device for a, b in zip(self.value, new, strict=True)
+                a.shape == b.shape and a.device == b.device and a.dtype == b.dtype
+                for a, b in zip(self.value, new, strict=True)
             ):
                 for a, b in zip(self.value, new, strict=True):
                     a.copy_(b)
@@ -109,6 +164,8 @@ class Folded:
 class DecoderLayer(nn.Module):
     """Pre-norm layer: GQA self/cross attention with rotary embeddings, gated (GeGLU) MLP.
 
+    Attention over a long block (pi0's block B: thousands of query rows per key/value head) runs
+    :mod:`flashrt.policies.attention_long`'s flash kernel, every other call the few-row kernel.
     Per layer on CUDA, at best five kernels: norm + fused q/k/v projection + rotary split
     (keys/values written into the caller's cache view), attention over [context; own], the output
     projection accumulated onto the residual, norm + gate/up projection + GeGLU, and the down
@@ -117,10 +174,23 @@ class DecoderLayer(nn.Module):
     norm, projection and pointwise step run apart, three kernels for one (nine a layer at most).
     """
 
-    def __init__(self, width: int, heads: int, kv_heads: int, head_dim: int, mlp: int) -> None:
+    def __init__(
+        self,
+        width: int,
+        heads: int,
+        kv_heads: int,
+        head_dim: int,
+        mlp: int,
+        *,
+        plus_one: bool = False,
+        cond_dim: int | None = None,
+    ) -> None:
         super().__init__()
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
-        self.norm1, self.norm2 = RMSNorm(width), RMSNorm(width)
+        if cond_dim is None:
+            self.norm1, self.norm2 = RMSNorm(width, plus_one=plus_one), RMSNorm(width, plus_one=plus_one)
+        else:  # pi0.5's time-conditioned expert: see forward's ``mod``
+            self.norm1, self.norm2 = AdaRMSNorm(width, cond_dim), AdaRMSNorm(width, cond_dim)
         self.q = nn.Linear(width, heads * head_dim, bias=False)
         self.kv = nn.Linear(width, 2 * kv_heads * head_dim, bias=False)
         self.o = nn.Linear(heads * head_dim, width, bias=False)
@@ -128,9 +198,16 @@ class DecoderLayer(nn.Module):
         self.down = nn.Linear(mlp, width, bias=False)
         self._qkv = Folded(lambda: (torch.cat([self.q.weight, self.kv.weight]),), self.q.weight, self.kv.weight)
 
+    @property
+    def adaptive(self) -> bool:
+        return isinstance(self.norm1, AdaRMSNorm)
+
     def fused_weights(self) -> tuple[torch.Tensor, ...]:
-        """norm1, q/k/v, o, norm2, gate/up and down weights: what :mod:`flashrt.kernels.expert_layer` takes."""
-        return (self.norm1.weight, self.qkv_weight(), self.o.weight, self.norm2.weight, self.gate_up.weight,
+        """norm1, q/k/v, o, norm2, gate/up and down weights: what :mod:`flashrt.kernels.expert_layer`
+        takes (norm scales as applied); empty for an adaptive layer, which no fused kernel takes."""
+        if self.adaptive:
+            return ()
+        return (self.norm1.scale(), self.qkv_weight(), self.o.weight, self.norm2.scale(), self.gate_up.weight,
                 self.down.weight)  # fmt: skip
 
     def qkv_weight(self) -> torch.Tensor:
@@ -147,20 +224,34 @@ class DecoderLayer(nn.Module):
         context: Sequence[Segment] = (),
         own_mask: torch.Tensor | None = None,
         kv_out: torch.Tensor | None = None,
+        mod: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x (N, T, W) at positions ``pos0 + t`` attends to the context segments (keys/values
         (N, g, T_i, d), masks (N, T_i)) and to itself (``own_mask`` (N, T)). Returns the new x and
         its own keys/values (N, g, T, d), written into ``kv_out`` (N, 2, g, T, d) when given.
 
+        An adaptive layer takes ``mod`` (2, 3, W) or (N, 2, 3, W): each norm's ``1 + scale``,
+        ``shift`` and residual gate (:meth:`AdaRMSNorm.modulation`), as pi0.5 computes it.
+
         Unless autograd records through it, the residual stream is updated in place: x is
         overwritten and returned (pass a tensor no one else reads, as every caller here does)."""
         n, t, _ = x.shape
         n1, n2 = self.norm1, self.norm2
+        if self.adaptive:
+            if mod is None:
+                raise ValueError("an adaptive (time-conditioned) layer needs its modulation `mod`")
+            m1, m2 = mod.unbind(-3)
+            qkv = linear(modulated_norm(x, m1, n1.eps), self.qkv_weight())
+            q, k, v = qkv_rope(qkv, pos0, inv_freq, self.heads, self.kv_heads, kv_out)
+            a = linear(attention_long.attention(q, k, v, own_mask, context).reshape(n, t, -1), self.o.weight)
+            x = x + a * gated(m1, x.dtype)
+            h = linear(gelu_mul(linear(modulated_norm(x, m2, n2.eps), self.gate_up.weight)), self.down.weight)
+            return x + h * gated(m2, x.dtype), k, v
         q, k, v = rms_norm_qkv_rope(
-            x, n1.weight, n1.eps, self.qkv_weight(), pos0, inv_freq, self.heads, self.kv_heads, kv_out
+            x, n1.scale(), n1.eps, self.qkv_weight(), pos0, inv_freq, self.heads, self.kv_heads, kv_out
         )
-        x = add_matmul(x, attention(q, k, v, own_mask, context).reshape(n, t, -1), self.o.weight)
-        x = add_matmul(x, rms_norm_geglu(x, n2.weight, n2.eps, self.gate_up.weight), self.down.weight)
+        x = add_matmul(x, attention_long.attention(q, k, v, own_mask, context).reshape(n, t, -1), self.o.weight)
+        x = add_matmul(x, rms_norm_geglu(x, n2.scale(), n2.eps, self.gate_up.weight), self.down.weight)
         return x, k, v
 
 
@@ -179,10 +270,10 @@ class VisionBlock(nn.Module):
     each launches dependent; at many, cuBLAS and SDPA's fused kernels run.
     """
 
-    def __init__(self, width: int, heads: int, mlp: int) -> None:
+    def __init__(self, width: int, heads: int, mlp: int, eps: float = 1e-5) -> None:
         super().__init__()
         self.heads = heads
-        self.norm1, self.norm2 = nn.LayerNorm(width), nn.LayerNorm(width)
+        self.norm1, self.norm2 = nn.LayerNorm(width, eps=eps), nn.LayerNorm(width, eps=eps)
         self.qkv = nn.Linear(width, 3 * width)
         self.o = nn.Linear(width, width)
         self.fc1, self.fc2 = nn.Linear(width, mlp), nn.Linear(mlp, width)
@@ -208,6 +299,34 @@ def sincos(t: torch.Tensor, dim: int, min_period: float = 4e-3, max_period: floa
     return torch.cat([ang.sin(), ang.cos()], dim=-1).float()
 
 
+def euler_times(steps: int, dtype: str, device: torch.device | None = None) -> torch.Tensor:
+    """(steps,) float64: the Euler times ``1 - s/steps``, exact (``"float64"``) or as LeRobot
+    holds them (``"float32"``: ``1.0 + s * (-1/steps)`` rounded to float32)."""
+    if dtype == "float64":
+        return 1.0 - torch.arange(steps, dtype=torch.float64, device=device) / steps
+    dt = -1.0 / steps
+    return torch.tensor([1.0 + s * dt for s in range(steps)], dtype=torch.float32, device=device).double()
+
+
+NORM_EPS = 1e-8
+"""LeRobot's normaliser epsilon (its ``NormalizerProcessorStep`` default)."""
+
+
+def normalize(x: torch.Tensor, mode: str, stats: torch.Tensor | None, inverse: bool = False) -> torch.Tensor:
+    """LeRobot's dataset normalisation (its formulas, their rounding, epsilon 1e-8) of float32 x
+    (..., D) with ``stats`` (2, D): (mean, std), (min, max) or the two quantiles per ``mode``."""
+    if mode == "identity":
+        return x
+    a, b = stats[0], stats[1]
+    if mode == "mean_std":
+        return x * b + a if inverse else (x - a) / (b + NORM_EPS)
+    denom = b - a
+    denom = torch.where(denom == 0, torch.tensor(NORM_EPS, device=x.device, dtype=x.dtype), denom)
+    if mode == "min_max":
+        return (x + 1) / 2 * denom + a if inverse else 2 * (x - a) / denom - 1
+    return (x + 1.0) * denom / 2.0 + a if inverse else 2.0 * (x - a) / denom - 1.0  # quantiles, quantile10
+
+
 def sincos_2d(grid: int, dim: int) -> torch.Tensor:
     """Fixed 2-D sin-cos position embedding of a grid x grid patch layout: (grid*grid, dim)."""
     ys, xs = torch.meshgrid(
@@ -225,31 +344,49 @@ class FlowPolicy(nn.Module):
     def __init__(self, cfg: PolicyConfig) -> None:
         super().__init__()
         self.cfg = c = cfg
-        self.text_embed = nn.Embedding(len(c.vocab) + 2, c.width)
+        one = c.norm_plus_one
+        self.text_embed = nn.Embedding(c.embed_rows, c.width)
         self.patch_embed = nn.Linear(3 * c.patch_size**2, c.vision_width)
         grid = c.image_size // c.patch_size  # learned, from a 2-D sin-cos start (ViTs from scratch need it)
         self.vision_pos = nn.Parameter(sincos_2d(grid, c.vision_width).expand(c.num_cameras, -1, -1).clone())
         self.vision = nn.ModuleList(
-            VisionBlock(c.vision_width, c.vision_heads, c.vision_mlp) for _ in range(c.vision_depth)
+            VisionBlock(c.vision_width, c.vision_heads, c.vision_mlp, c.vision_norm_eps) for _ in range(c.vision_depth)
         )
-        self.vision_norm = nn.LayerNorm(c.vision_width)
+        self.vision_norm = nn.LayerNorm(c.vision_width, eps=c.vision_norm_eps)
         self.projector = nn.Linear(c.vision_width, c.width)
-        self.proprio_proj = nn.Linear(c.proprio_dim, c.width)
+        if c.state_token == "prefix":
+            self.proprio_proj = nn.Linear(c.proprio_dim, c.width)
         self.prefix = nn.ModuleList(
-            DecoderLayer(c.width, c.heads, c.kv_heads, c.head_dim, c.mlp) for _ in range(c.depth)
+            DecoderLayer(c.width, c.heads, c.kv_heads, c.head_dim, c.mlp, plus_one=one) for _ in range(c.depth)
         )
-        self.prefix_norm = RMSNorm(c.width)
+        self.prefix_norm = RMSNorm(c.width, plus_one=one)
+        if c.state_token == "suffix":
+            self.state_proj = nn.Linear(c.proprio_dim, c.expert_width)
         self.action_in = nn.Linear(c.action_dim, c.expert_width)
-        self.time_in = nn.Linear(2 * c.expert_width, c.expert_width)
+        adarms = c.time_cond == "adarms"
+        self.time_in = nn.Linear(c.expert_width * (1 if adarms else 2), c.expert_width)
         self.time_out = nn.Linear(c.expert_width, c.expert_width)
+        cond = c.expert_width if adarms else None
         self.expert = nn.ModuleList(
-            DecoderLayer(c.expert_width, c.heads, c.kv_heads, c.head_dim, c.expert_mlp) for _ in range(c.depth)
+            DecoderLayer(c.expert_width, c.heads, c.kv_heads, c.head_dim, c.expert_mlp, plus_one=one, cond_dim=cond)
+            for _ in range(c.depth)
         )
-        self.expert_norm = RMSNorm(c.expert_width)
+        self.expert_norm = AdaRMSNorm(c.expert_width, cond) if adarms else RMSNorm(c.expert_width, plus_one=one)
         self.action_out = nn.Linear(c.expert_width, c.action_dim)
         self.register_buffer("inv_freq", self._rope_frequencies(), persistent=False)  # (d/2,) float32
-        self._flow = Folded(self._fold_flow, *self.action_in.parameters(), *self.time_in.parameters(),
-                            *self.action_out.parameters())  # fmt: skip
+        for name, mode, dim in (
+            ("state_stats", c.state_norm, c.proprio_dim),
+            ("action_stats", c.action_norm, c.action_dim),
+        ):
+            if mode != "identity":  # (2, D) float32 dataset statistics, saved with the weights
+                self.register_buffer(name, torch.stack([torch.zeros(dim), torch.ones(dim)]))
+        if adarms:
+            params = [*self.action_out.parameters(), *self.time_in.parameters(), *self.time_out.parameters()]
+            params += [p for m in self.modules() if isinstance(m, AdaRMSNorm) for p in m.parameters()]
+            self._flow = Folded(self._fold_adarms, *params)
+        else:
+            self._flow = Folded(self._fold_flow, *self.action_in.parameters(), *self.time_in.parameters(),
+                                *self.action_out.parameters())  # fmt: skip
         self.apply(self._init)
 
     def _rope_frequencies(self) -> torch.Tensor:
@@ -262,10 +399,15 @@ class FlowPolicy(nn.Module):
         """Module conversions (``.to(dtype)``, ``.bfloat16()``, ...) move the rotary frequencies
         but keep them float32, as training computes the angles: rounded to bf16 a frequency is off
         by up to 2^-9 of itself, so a position's angle is off by radians after a few thousand
-        tokens (an episode's late frames), and ``kernels.expert_layer`` reads them as float32."""
+        tokens (an episode's late frames), and ``kernels.expert_layer`` reads them as float32.
+        Dataset statistics stay float32 too (LeRobot normalises in float32)."""
         super()._apply(fn, recurse)
         if self.inv_freq.dtype != torch.float32:
             self.inv_freq = self._rope_frequencies().to(self.inv_freq.device)
+        for name in ("state_stats", "action_stats"):
+            stats = getattr(self, name, None)
+            if stats is not None and stats.dtype != torch.float32:
+                setattr(self, name, stats.float())
         return self
 
     @staticmethod
@@ -281,27 +423,90 @@ class FlowPolicy(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.action_in.weight.dtype
 
+    # -- dataset normalisation -----------------------------------------------------------------
+    def normalize_state(self, proprio: torch.Tensor) -> torch.Tensor:
+        """Raw proprio (N, P), or (N, dataset_proprio_dim) -> the policy's float32 input (N, P):
+        normalised with the dataset statistics, dims past ``dataset_proprio_dim`` zeroed (pi0
+        pads the normalised state with zeros)."""
+        c = self.cfg
+        x = proprio.float()
+        if x.shape[-1] < c.proprio_dim:
+            x = F.pad(x, (0, c.proprio_dim - x.shape[-1]))
+        x = normalize(x, c.state_norm, getattr(self, "state_stats", None))
+        if c.dataset_proprio_dim:
+            x = F.pad(x[..., : c.dataset_proprio_dim], (0, c.proprio_dim - c.dataset_proprio_dim))
+        return x
+
+    def normalize_actions(self, actions: torch.Tensor) -> torch.Tensor:
+        """Actions in dataset units (..., A) -> the flow's (normalised) space, float32."""
+        return normalize(actions.float(), self.cfg.action_norm, getattr(self, "action_stats", None))
+
+    def unnormalize_actions(self, actions: torch.Tensor) -> torch.Tensor:
+        """Sampled actions (..., A) in the flow's space -> dataset units."""
+        return normalize(actions, self.cfg.action_norm, getattr(self, "action_stats", None), inverse=True)
+
+    # -- layout --------------------------------------------------------------------------------
     def frame_start(self, frame: torch.Tensor) -> torch.Tensor:
         """(N,) position of the first token of frame ``frame`` (N,): after the instruction, T_B
-        per frame (the action tokens of a chunk sit where the next frame will)."""
+        per frame (the action tokens of a chunk sit where the next frame will). With
+        ``images_first`` every observation starts at 0."""
+        if not self.cfg.text_block:
+            return torch.zeros_like(frame)
         return self.cfg.max_text_len + frame * self.cfg.frame_tokens
 
-    def _kv_cache(self, x: torch.Tensor) -> torch.Tensor | None:
-        """(N, S, 2, g, T, d) for the layers of tokens x (N, T, W) to write their keys/values
-        into; None while recording autograd (in-place writes would clobber saved tensors)."""
+    def frame_segments(self, kv: torch.Tensor, valid: torch.Tensor, text_mask: torch.Tensor | None = None) -> Prefix:
+        """Block B's keys/values ``kv`` (N, S, 2, g, T_B, d) as prefix segments for the tokens
+        after it, with frame validity flags ``valid`` (N,).
+
+        ``text_first``: one segment, one flag per slot. ``images_first`` (``text_mask`` (N, L),
+        the language padding): views of ``kv`` in the order attention reads fastest (keys carry
+        their positions, so the order is free): the language with its per-token mask first, then
+        the image tokens and the state token with one flag per slot, which the attention kernel
+        sweeps without loading a mask per key."""
+        c = self.cfg
+        flag = valid[:, None]
+        if c.text_block:
+            return [(kv, flag.expand(-1, c.frame_tokens))]
+        if text_mask is None:
+            raise ValueError("with prefix_order='images_first' block B holds the language tokens: pass text_mask")
+        cp, end = c.image_tokens, c.image_tokens + c.max_text_len
+        segments = [(kv[..., cp:end, :], text_mask & flag), (kv[..., :cp, :], flag.expand(-1, cp))]
+        if c.state_token != "text":
+            segments.append((kv[..., end:, :], flag))
+        return segments
+
+    def _action_start(self, prefix: Prefix, frame: torch.Tensor) -> torch.Tensor:
+        """(N,) position of the first action token: after the frame's slot (``text_first``), or
+        after the valid prefix tokens as pi0 counts them (``images_first``: padding does not
+        advance positions)."""
+        if self.cfg.text_block:
+            return self.frame_start(frame + 1)
+        return sum(mask.sum(1) for _, mask in prefix)
+
+    def _kv_cache(self, x: torch.Tensor, tokens: int | None = None) -> torch.Tensor | None:
+        """(N, S, 2, g, T, d) for the layers of T tokens (x (N, T, W), or ``tokens``) to write their
+        keys/values into; None while recording autograd (in-place writes would clobber saved tensors)."""
         if torch.is_grad_enabled():
             return None
         c = self.cfg
-        return x.new_empty((x.shape[0], c.depth, 2, c.kv_heads, x.shape[1], c.head_dim))
+        t = x.shape[1] if tokens is None else tokens
+        return x.new_empty((x.shape[0], c.depth, 2, c.kv_heads, t, c.head_dim))
 
     @staticmethod
     def _stack(kv: torch.Tensor | None, kvs: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         return kv if kv is not None else torch.stack([torch.stack(p, 1) for p in kvs], 1)
 
     # -- block A -------------------------------------------------------------------------------
+    def embed_text(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids (N, L) -> token embeddings (N, L, D), scaled by sqrt(D) as Gemma does."""
+        return self.text_embed(ids).to(self.dtype) * math.sqrt(self.cfg.width)
+
     def encode_text(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """ids, mask (N, L) -> instruction keys/values (N, S, 2, g, L, d)."""
-        x = self.text_embed(ids).to(self.dtype) * math.sqrt(self.cfg.width)
+        """ids, mask (N, L) -> instruction keys/values (N, S, 2, g, L, d) (``text_first`` only:
+        with ``images_first`` the language is part of block B, see :meth:`encode_frame`)."""
+        if not self.cfg.text_block:
+            raise ValueError("with prefix_order='images_first' the language is encoded with each frame (encode_frame)")
+        x = self.embed_text(ids)
         pos0 = torch.zeros(ids.shape[0], dtype=torch.int64, device=ids.device)
         kv, kvs = self._kv_cache(x), []
         for i, layer in enumerate(self.prefix):
@@ -310,8 +515,10 @@ class FlowPolicy(nn.Module):
         return self._stack(kv, kvs)
 
     # -- block B -------------------------------------------------------------------------------
-    def embed_frame(self, image: torch.Tensor, proprio: torch.Tensor) -> torch.Tensor:
-        """image (N, C, H, W, 3) uint8, proprio (N, P) -> frame tokens (N, T_B, D)."""
+    def embed_frame(self, image: torch.Tensor, proprio: torch.Tensor, text_ids: torch.Tensor | None = None):
+        """image (N, C, H, W, 3) uint8, proprio (N, P) (and with ``images_first`` the language ids
+        (N, L)) -> the tokens block B runs through the prefix layers (N, T, D): image tokens,
+        language tokens, and the proprio token with ``state_token="prefix"``."""
         c = self.cfg
         n, ps, g = image.shape[0], c.patch_size, c.image_size // c.patch_size
         x = image.to(self.dtype) * (2.0 / 255.0) - 1.0
@@ -321,7 +528,14 @@ class FlowPolicy(nn.Module):
         for block in self.vision:
             x, delta = block(x, delta, c.patches)
         x = linear(layer_norm(self.vision_norm, x, delta)[1], self.projector.weight, self.projector.bias)  # (N, C*P, D)
-        return torch.cat([x, self.proprio_proj(proprio.to(self.dtype))[:, None]], dim=1)
+        parts = [x]
+        if not c.text_block:
+            if text_ids is None:
+                raise ValueError("with prefix_order='images_first' block B holds the language tokens: pass text ids")
+            parts.append(self.embed_text(text_ids))
+        if c.state_token == "prefix":
+            parts.append(self.proprio_proj(self.normalize_state(proprio).to(self.dtype))[:, None])
+        return torch.cat(parts, dim=1) if len(parts) > 1 else x
 
     def encode_frame(
         self,
@@ -330,20 +544,57 @@ class FlowPolicy(nn.Module):
         frame: torch.Tensor,
         context: Prefix,
         kv_out: torch.Tensor | None = None,
+        text: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The newest frame over its context (instruction + ring) -> its keys/values
         (N, S, 2, g, T_B, d), written into ``kv_out`` when given (evaluation only), and pooled
-        features (N, D)."""
-        x = self.embed_frame(image, proprio)
+        features (N, D).
+
+        With ``images_first``, ``text`` is the instruction's ids and mask (N, L): its tokens join
+        the images in one bidirectional block (the context is then empty). With
+        ``state_token="suffix"``, block B's last token is the state token: it runs through the
+        expert's layers over block B and its context once here, and its keys/values are read by
+        every Euler step as pi0's first suffix token."""
+        c = self.cfg
+        if not c.text_block and text is None:
+            raise ValueError("with prefix_order='images_first' block B holds the language tokens: pass text")
+        x = self.embed_frame(image, proprio, None if text is None else text[0])
         pos0 = self.frame_start(frame)
-        kv, kvs = self._kv_cache(x) if kv_out is None else kv_out, []
+        own = None
+        if not c.text_block:
+            ones = torch.ones(x.shape[0], c.image_tokens, dtype=torch.bool, device=x.device)
+            own = torch.cat([ones, text[1], ones[:, : x.shape[1] - c.image_tokens - c.max_text_len]], dim=1)
+        kv = self._kv_cache(x, c.frame_tokens) if kv_out is None else kv_out
+        kvs = []
         for i, layer in enumerate(self.prefix):
-            out = None if kv is None else kv[:, i]
-            x, k, v = layer(x, pos0, self.inv_freq, layer_segments(context, i), kv_out=out)
+            out = None if kv is None else kv[:, i, :, :, : x.shape[1]]
+            x, k, v = layer(x, pos0, self.inv_freq, layer_segments(context, i), own_mask=own, kv_out=out)
             kvs.append((k, v))
-        return self._stack(kv, kvs), self.prefix_norm(x).mean(1, dtype=torch.float32)
+        feats = self.prefix_norm(x).mean(1, dtype=torch.float32)
+        if c.state_token == "suffix":
+            s = self.state_proj(self.normalize_state(proprio).to(self.dtype))[:, None]  # (N, 1, E)
+            pos = pos0 + x.shape[1] if c.text_block else pos0 + c.image_tokens + text[1].sum(1)
+            for i, layer in enumerate(self.expert):
+                k, v = kvs[i]
+                segments = [*layer_segments(context, i), (k, v, own)]
+                out = None if kv is None else kv[:, i, :, :, -1:]
+                s, k1, v1 = layer(s, pos, self.inv_freq, segments, kv_out=out)
+                kvs[i] = (torch.cat([k, k1], 2), torch.cat([v, v1], 2)) if kv is None else kvs[i]
+        return self._stack(kv, kvs), feats
 
     # -- action expert -------------------------------------------------------------------------
+    def _time_cond(self, te: torch.Tensor) -> torch.Tensor:
+        """pi0.5's condition from time embeddings (..., E): ``silu(time_out(silu(time_in(te))))``."""
+        return F.silu(self.time_out(F.silu(self.time_in(te))))
+
+    def _modulations(self, cond: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every adaptive norm's modulation for conditions (..., E): layers (..., S, 2, 3, E) and
+        the final norm (..., 3, E), float32."""
+        layers = torch.stack(
+            [torch.stack([m.norm1.modulation(cond), m.norm2.modulation(cond)], -3) for m in self.expert], -4
+        )
+        return layers, self.expert_norm.modulation(cond)
+
     def velocity(
         self,
         x: torch.Tensor,
@@ -355,9 +606,17 @@ class FlowPolicy(nn.Module):
         training form (unfolded, differentiable)."""
         c = self.cfg
         a = self.action_in(x.to(self.dtype))
-        te = sincos(t, c.expert_width).to(a.device, self.dtype)[:, None].expand(-1, a.shape[1], -1)
+        te = sincos(t, c.expert_width).to(a.device, self.dtype)
+        pos0 = self._action_start(prefix, frame)
+        if c.time_cond == "adarms":
+            mods, final = self._modulations(self._time_cond(te))
+            h = a
+            for i, layer in enumerate(self.expert):
+                h, _, _ = layer(h, pos0, self.inv_freq, layer_segments(prefix, i), mod=mods[:, i])
+            return self.action_out(modulated_norm(h, final, self.expert_norm.eps)).float()
+        te = te[:, None].expand(-1, a.shape[1], -1)
         h = self.time_out(F.silu(self.time_in(torch.cat([a, te], dim=-1))))
-        h = self._expert_layers(h, prefix, self.frame_start(frame + 1))
+        h = self._expert_layers(h, prefix, pos0)
         return self.action_out(self.expert_norm(h)).float()
 
     def _expert_layers(self, h: torch.Tensor, prefix: Prefix, pos0: torch.Tensor) -> torch.Tensor:
@@ -377,26 +636,48 @@ class FlowPolicy(nn.Module):
         c, e = self.cfg, self.cfg.expert_width
         w_in, b_in = self.action_in.weight.float(), self.action_in.bias.float()
         w_t, b_t = self.time_in.weight.float(), self.time_in.bias.float()
-        times = 1.0 - torch.arange(c.steps, dtype=torch.float64, device=w_in.device) / c.steps
-        te = sincos(times, e)  # (steps, E): the Euler times t_s = 1 - s/steps
+        te = sincos(euler_times(c.steps, c.time_dtype, w_in.device), e)  # (steps, E): the Euler times t_s
         bias = w_t[:, :e] @ b_in + te @ w_t[:, e:].T + b_t
         scale = -1.0 / c.steps
         return w_t[:, :e] @ w_in, bias, self.action_out.weight.float() * scale, self.action_out.bias.float() * scale
 
+    def _fold_adarms(self) -> tuple[torch.Tensor, ...]:
+        """pi0.5's per-step constants: the flow time is the same for every slot at step s, so each
+        adaptive norm's modulation is a constant of (weights, s). Returns the layers' modulations
+        (steps, S, 2, 3, E), the final norm's scale (steps, E) and, with its shift folded into the
+        output projection (times -1/steps), w_out (A, E) and per-step b_out (steps, A)."""
+        c = self.cfg
+        te = sincos(euler_times(c.steps, c.time_dtype, self.time_in.weight.device), c.expert_width)
+        mods, final = self._modulations(self._time_cond(te.to(self.dtype)))
+        scale = -1.0 / c.steps
+        w_out, b_out = self.action_out.weight.float() * scale, self.action_out.bias.float() * scale
+        return mods, final[:, 0], w_out, b_out + final[:, 1] @ w_out.T
+
     @torch.no_grad()
     def sample(self, noise: torch.Tensor, prefix: Prefix, frame: torch.Tensor) -> torch.Tensor:
-        """Euler integration from noise (t = 1) to actions (t = 0): (N, H, A) float32.
+        """Euler integration from noise (t = 1) to actions (t = 0): (N, H, A) float32, in the
+        dataset's units (un-normalised with ``action_norm``).
 
         Per step: folded time embedding, time_out, the expert's layers, then one kernel for the
-        final norm, output projection and update ``x <- x - v / steps``."""
-        wx, bias, w_out, b_out = self._flow.get()
+        final norm, output projection and update ``x <- x - v / steps`` (pi0.5: the action
+        embedding, the expert's layers under that step's folded modulations, the same update)."""
         x = noise.float().contiguous()
-        pos0 = self.frame_start(frame + 1)
-        for s in range(self.cfg.steps):
-            h = time_embed(x, wx, bias[s], self.dtype)
-            h = self._expert_layers(linear(h, self.time_out.weight, self.time_out.bias), prefix, pos0)
-            x = euler_step(x, h, self.expert_norm.weight, w_out, b_out, self.expert_norm.eps)
-        return x
+        pos0 = self._action_start(prefix, frame)
+        eps = self.expert_norm.eps
+        if self.cfg.time_cond == "adarms":
+            mods, norm_w, w_out, b_out = self._flow.get()
+            for s in range(self.cfg.steps):
+                h = linear(x.to(self.dtype), self.action_in.weight, self.action_in.bias)
+                for i, layer in enumerate(self.expert):
+                    h, _, _ = layer(h, pos0, self.inv_freq, layer_segments(prefix, i), mod=mods[s, i])
+                x = euler_step(x, h, norm_w[s].to(self.dtype), w_out, b_out[s], eps)
+        else:
+            wx, bias, w_out, b_out = self._flow.get()
+            for s in range(self.cfg.steps):
+                h = time_embed(x, wx, bias[s], self.dtype)
+                h = self._expert_layers(linear(h, self.time_out.weight, self.time_out.bias), prefix, pos0)
+                x = euler_step(x, h, self.expert_norm.scale(), w_out, b_out, eps)
+        return self.unnormalize_actions(x)
 
     # -- training ------------------------------------------------------------------------------
     def loss(self, batch: dict[str, torch.Tensor], generator: torch.Generator | None = None) -> torch.Tensor:
@@ -405,11 +686,12 @@ class FlowPolicy(nn.Module):
         batch: ``text_ids``/``text_mask`` (B, L); ``images`` (B, n_obs, C, H, W, 3) uint8 and
         ``proprio`` (B, n_obs, P), oldest frame first; ``frame_valid`` (B, n_obs) bool (frames
         before the episode start are False; the last is always True); ``frame`` (B,) int64 index
-        of the newest frame in its episode; ``actions`` (B, H, A); ``action_mask`` (B, H).
-        The window is encoded frame by frame exactly as the pipeline does at run time.
+        of the newest frame in its episode; ``actions`` (B, H, A) in dataset units;
+        ``action_mask`` (B, H). The window is encoded frame by frame exactly as the pipeline does
+        at run time.
         """
         prefix = self.encode_window(batch)
-        actions = batch["actions"].float()
+        actions = self.normalize_actions(batch["actions"])
         b = actions.shape[0]
         # pi0's time distribution Beta(1.5, 1) * 0.999 + 0.001, by its inverse CDF u ** (1 / 1.5)
         u = torch.rand(b, generator=generator, device=actions.device)
@@ -424,11 +706,17 @@ class FlowPolicy(nn.Module):
     def encode_window(self, batch: dict[str, torch.Tensor]) -> Prefix:
         """The prefix of a window of frames (instruction, then each frame's keys/values with its
         validity), encoded frame by frame as the pipeline does at run time (the oldest frame of
-        the window sees the instruction only: history beyond the window is truncated)."""
+        the window sees the instruction only: history beyond the window is truncated). With
+        ``images_first``: the newest frame's block B (images and language) alone."""
         c = self.cfg
-        prefix = [(self.encode_text(batch["text_ids"], batch["text_mask"]), batch["text_mask"])]
+        text = (batch["text_ids"], batch["text_mask"])
+        if not c.text_block:
+            valid = batch["frame_valid"][:, -1]
+            kv, _ = self.encode_frame(batch["images"][:, -1], batch["proprio"][:, -1], batch["frame"], [], text=text)
+            return self.frame_segments(kv, valid, batch["text_mask"])
+        prefix = [(self.encode_text(*text), batch["text_mask"])]
         for j in range(c.n_obs_steps):
             frame = batch["frame"] - (c.n_obs_steps - 1 - j)
             obs_kv, _ = self.encode_frame(batch["images"][:, j], batch["proprio"][:, j], frame, prefix)
-            prefix.append((obs_kv, batch["frame_valid"][:, j : j + 1].expand(-1, c.frame_tokens)))
+            prefix += self.frame_segments(obs_kv, batch["frame_valid"][:, j])
         return prefix

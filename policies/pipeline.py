@@ -10,7 +10,9 @@ whole env step; tests and benchmarks capture stages with :class:`flashrt.runtime
 buffer                  shape                                                       written by
 ======================  ==========================================================  =========
 policy.text_ids/mask    (L,) int64 / bool                                           the owner / set_text
+policy.prompt_ids/mask  (L,) int64 / bool    pi0.5: the newest frame's prompt       encode_observation
 policy.kv_text          (S, 2, g, L, d)      instruction keys/values (block A)      encode_instruction / set_text
+                        (``text_first`` policies only)
 policy.kv_ring          (S, 2, g, R, d)      previous frames' keys/values           encode_observation
 policy.ring_valid       (n_obs - 1,) bool                                           encode_observation
 policy.kv_obs           (S, 2, g, T_B, d)    newest frame's keys/values (block B)   encode_observation
@@ -24,6 +26,15 @@ policy.rng_key/counter  () int64             per-slot counter-based RNG
 Block A attends only to itself, so an instruction's keys/values are a function of the
 instruction alone: :class:`InstructionTable` encodes a fixed set of instructions once, and a
 slot's instruction becomes a row copy from the table (``set_text``), inside a captured step too.
+
+pi0's layout (``prefix_order="images_first"``) has no block A: the language tokens follow the
+image tokens in block B, which ``encode_observation`` encodes from ``text_ids``/``text_mask``
+with every frame (``kv_obs`` holds images, language and, with ``state_token="suffix"``, the
+state token), so the table holds token ids only and ``encode_instruction`` has nothing to do.
+pi0.5 (``state_token="text"``) writes the frame's discretised state into its prompt:
+``text_ids`` holds the instruction's part, and ``encode_observation`` assembles the frame's
+prompt into ``policy.prompt_ids``/``prompt_mask`` on the device
+(:func:`~flashrt.policies.tokenizer.compose_prompt`) before it encodes block B.
 """
 
 from __future__ import annotations
@@ -37,7 +48,9 @@ import torch
 from flashrt import kernels, runtime
 from flashrt.kernels import expert_layer
 from flashrt.kernels.rng import draw_normal_
+from flashrt.policies import attention_long
 from flashrt.policies.model import FlowPolicy, Prefix
+from flashrt.policies.tokenizer import compose_prompt
 from flashrt.policies.weights import tokenizer_for
 from flashrt.runtime import BufferSet, BufferSpec, slot
 from flashrt.runtime.views import bind_views
@@ -50,7 +63,7 @@ def policy_specs(model: FlowPolicy) -> list[BufferSpec]:
     specs = [
         slot("policy.text_ids", (c.max_text_len,), torch.int64),
         slot("policy.text_mask", (c.max_text_len,), torch.bool),
-        slot("policy.kv_text", (*kv, c.max_text_len, c.head_dim), dt),
+        *([slot("policy.kv_text", (*kv, c.max_text_len, c.head_dim), dt)] if c.text_block else []),
         slot("policy.kv_obs", (*kv, c.frame_tokens, c.head_dim), dt),
         slot("policy.obs_valid", (), torch.bool),
         slot("policy.frame", (), torch.int64),
@@ -62,6 +75,11 @@ def policy_specs(model: FlowPolicy) -> list[BufferSpec]:
         slot("policy.rng_key", (), torch.int64),
         slot("policy.rng_counter", (), torch.int64),
     ]
+    if c.state_token == "text":
+        specs += [
+            slot("policy.prompt_ids", (c.max_text_len,), torch.int64),
+            slot("policy.prompt_mask", (c.max_text_len,), torch.bool),
+        ]
     if c.n_obs_steps > 1:
         specs += [
             slot("policy.kv_ring", (*kv, c.ring_tokens, c.head_dim), dt),
@@ -76,7 +94,6 @@ class PolicyState:
 
     text_ids: torch.Tensor
     text_mask: torch.Tensor
-    kv_text: torch.Tensor
     kv_obs: torch.Tensor
     obs_valid: torch.Tensor
     frame: torch.Tensor
@@ -87,6 +104,9 @@ class PolicyState:
     actions: torch.Tensor
     rng_key: torch.Tensor
     rng_counter: torch.Tensor
+    kv_text: torch.Tensor | None = None
+    prompt_ids: torch.Tensor | None = None
+    prompt_mask: torch.Tensor | None = None
     kv_ring: torch.Tensor | None = None
     ring_valid: torch.Tensor | None = None
 
@@ -97,23 +117,32 @@ def deployment_digest(model: FlowPolicy, weights_id: str) -> str:
     impl = kernels.implementation(next(model.parameters()).device)
     if impl == "triton" and expert_layer.runs_for(*model.expert[0].fused_weights()):  # sums in another order
         impl += "+expert_layer"
+    if impl.startswith("triton"):  # long prefix blocks (pi0's) take the flash kernel
+        impl += f"+attention_long-{attention_long.VERSION}"
     text = "|".join([model.cfg.to_json(), weights_id, str(model.dtype), runtime.__version__, kernels.__version__, impl])
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 class InstructionTable:
     """The keys/values of a fixed list of instructions, encoded once: ``ids``/``mask`` (n, L)
-    and ``kv`` (n, S, 2, g, L, d) on the model's device. Row i belongs to ``texts[i]``."""
+    and ``kv`` (n, S, 2, g, L, d) on the model's device (None for an ``images_first`` policy,
+    whose language is encoded with each frame). Row i belongs to ``texts[i]``."""
 
     def __init__(self, model: FlowPolicy, texts: Sequence[str]) -> None:
         if not texts:
             raise ValueError("an instruction table needs at least one instruction")
-        device = next(model.parameters()).device
-        ids, mask = tokenizer_for(model.cfg).encode(list(texts))
+        c, device, tok = model.cfg, next(model.parameters()).device, tokenizer_for(model)
+        if c.state_token == "text":  # pi0.5: the prompts' instruction parts; the state joins per frame
+            tok.check_state_prompt(texts, c.dataset_proprio_dim or c.proprio_dim)
+            ids, mask = tok.prompt_heads(texts)
+        else:
+            ids, mask = tok.encode(list(texts))
         self.texts = tuple(texts)
         self.ids, self.mask = ids.to(device), mask.to(device)
-        with torch.no_grad():
-            self.kv = model.encode_text(self.ids, self.mask)
+        self.kv = None
+        if model.cfg.text_block:
+            with torch.no_grad():
+                self.kv = model.encode_text(self.ids, self.mask)
 
     def __len__(self) -> int:
         return len(self.texts)
@@ -135,6 +164,9 @@ class PolicyPipeline:
         self.cfg = model.cfg
         self.bufs = bufs
         self.state = bind_views(PolicyState, bufs, "policy")
+        self._state_parts = None  # pi0.5: the prompt's state part, constants of every captured step
+        if self.cfg.state_token == "text":
+            self._state_parts = tokenizer_for(model).state_parts().to(bufs.device)
 
     def __getitem__(self, name: str) -> torch.Tensor:
         return self.bufs[f"policy.{name}"]
@@ -159,15 +191,20 @@ class PolicyPipeline:
     # -- stages (plain callables over the buffers; capturable) ---------------------------------
     @torch.no_grad()
     def encode_instruction(self) -> None:
-        """Instruction keys/values of every slot from ``text_ids``/``text_mask``."""
+        """Instruction keys/values of every slot from ``text_ids``/``text_mask`` (nothing to do
+        for an ``images_first`` policy: its language is encoded with each frame)."""
         s = self.state
-        s.kv_text.copy_(self.model.encode_text(s.text_ids, s.text_mask))
+        if s.kv_text is not None:
+            s.kv_text.copy_(self.model.encode_text(s.text_ids, s.text_mask))
 
     def set_text(self, table: InstructionTable, index: torch.Tensor, mask: torch.Tensor | None = None) -> None:
         """Give each slot (where ``mask``, all if None) the instruction ``table`` row ``index``
         (slots,) int64: its token ids, mask and keys/values, copied from the table (capturable)."""
         s = self.state
-        for dst, src in ((s.text_ids, table.ids), (s.text_mask, table.mask), (s.kv_text, table.kv)):
+        pairs = [(s.text_ids, table.ids), (s.text_mask, table.mask)]
+        if s.kv_text is not None:
+            pairs.append((s.kv_text, table.kv))
+        for dst, src in pairs:
             rows = src[index]
             if mask is not None:
                 rows = torch.where(mask.view(-1, *[1] * (rows.dim() - 1)), rows, dst)
@@ -182,10 +219,28 @@ class PolicyPipeline:
         if s.ring_valid is not None:
             s.ring_valid.masked_fill_(m[:, None], False)
 
+    def _text(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """What ``encode_frame`` reads beside the frame: the language of an ``images_first`` policy
+        (pi0.5: the frame's prompt)."""
+        s = self.state
+        if self.cfg.text_block:
+            return None
+        return (s.text_ids, s.text_mask) if s.prompt_ids is None else (s.prompt_ids, s.prompt_mask)
+
+    def _prompt(self, proprio: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """pi0.5's prompt of a frame with state ``proprio``: the slot's instruction part and the
+        normalised state's bins (ids and mask, (slots, L))."""
+        c, s = self.cfg, self.state
+        states = self.model.normalize_state(proprio)[:, : c.dataset_proprio_dim or c.proprio_dim]
+        return compose_prompt(s.text_ids, s.text_mask, states, self._state_parts)
+
     def _context(self, newest: bool) -> Prefix:
         """The prefix segments, in place: instruction, ring (if any), and with ``newest`` the
-        newest frame."""
+        newest frame (``images_first``: block B alone, language padding masked)."""
         c, s = self.cfg, self.state
+        if not c.text_block:
+            mask = s.text_mask if s.prompt_mask is None else s.prompt_mask
+            return self.model.frame_segments(s.kv_obs, s.obs_valid, mask) if newest else []
         segments = [(s.kv_text, s.text_mask)]
         if s.kv_ring is not None:
             ring_mask = s.ring_valid[:, :, None].expand(-1, -1, c.frame_tokens)  # one flag per ring frame
@@ -198,6 +253,8 @@ class PolicyPipeline:
         """What the next frame attends to, read in place without moving the ring: the instruction,
         the ring's frames but its oldest, and the newest frame (what the ring will hold then)."""
         c, s = self.cfg, self.state
+        if not c.text_block:
+            return []
         segments = [(s.kv_text, s.text_mask)]
         if c.n_obs_steps > 1:
             t, n = c.frame_tokens, self.bufs.num_slots
@@ -219,7 +276,13 @@ class PolicyPipeline:
                 valid[:, :-1].copy_(valid[:, 1:].clone())
             ring[..., -t:, :].copy_(s.kv_obs)
             valid[:, -1].copy_(s.obs_valid)
-        _, feats = self.model.encode_frame(s.image, s.proprio, s.frame, self._context(newest=False), kv_out=s.kv_obs)
+        if s.prompt_ids is not None:
+            ids, mask = self._prompt(s.proprio)
+            s.prompt_ids.copy_(ids)
+            s.prompt_mask.copy_(mask)
+        _, feats = self.model.encode_frame(
+            s.image, s.proprio, s.frame, self._context(newest=False), kv_out=s.kv_obs, text=self._text()
+        )
         s.features.copy_(feats)
         s.obs_valid.fill_(True)
         s.frame.add_(1)
@@ -229,7 +292,8 @@ class PolicyPipeline:
         """Pooled features (slots, D) of the frame ``image``/``proprio`` as :meth:`encode_observation`
         would compute them next, written into ``out``; no buffer of the policy changes (the
         terminal observation of an episode that is reset in the same step)."""
-        _, feats = self.model.encode_frame(image, proprio, self.state.frame, self._context_of_next())
+        text = self._text() if self.state.prompt_ids is None else self._prompt(proprio)
+        _, feats = self.model.encode_frame(image, proprio, self.state.frame, self._context_of_next(), text=text)
         out.copy_(feats)
 
     def draw_noise(self) -> None:

@@ -21,7 +21,14 @@ run:
   inside one replay of the kernels graph by marginal time (what each adds to the chain when
   dependent launches overlap).
 
+``lerobot_pi0`` / ``lerobot_pi05`` (``--exact``) are LeRobot's pi0 / pi0.5 at full size with
+their exact computation (what the converter produces; random weights, and the tests' small
+SentencePiece model standing in for PaliGemma's tokenizer): images then language in one block B,
+encoded with every observation (pi0.5: the prompt with the state assembled first).
+
     python scripts/bench_policy.py --out bench_policy.json
+    python scripts/bench_policy.py --tiny-batches --pi0-batches --exact lerobot_pi0 lerobot_pi05 \
+        --exact-batches 1 8 64 --compile lerobot_pi0:1 --out bench_policy_exact.json
 """
 
 from __future__ import annotations
@@ -38,23 +45,26 @@ from benchlib import count_kernels, gpu_rates, graph_kernels, provenance, top_ke
 from torch.utils.flop_counter import FlopCounterMode
 
 from flashrt import kernels
-from flashrt.policies import PRESETS, FlowPolicy, PolicyPipeline, policy_specs, tokenizer_for
+from flashrt.policies import PRESETS, FlowPolicy, InstructionTable, PaliGemmaTokenizer, PolicyPipeline, policy_specs
 from flashrt.runtime import BufferSet, Graph
 from flashrt_gym.tasks import TabletopConfig
 
+EXACT = ("lerobot_pi0", "lerobot_pi05")
+TOKENIZER = Path(__file__).parents[1] / "tests" / "policies" / "fixtures" / "tokenizer.model"
+
 
 def make_pipeline(model: FlowPolicy, n: int) -> PolicyPipeline:
+    cfg = model.cfg
+    if cfg.tokenizer == "paligemma":  # random weights: the tests' small SentencePiece model stands in for PaliGemma's
+        model.tokenizer = PaliGemmaTokenizer(TOKENIZER.read_bytes(), cfg.max_text_len, cfg.state_token == "text")
     bufs = BufferSet(policy_specs(model), n, "cuda", deployment="bench")
     p = PolicyPipeline(model, bufs)
-    cfg = model.cfg
-    ids, mask = tokenizer_for(cfg).encode(["push the red square to the left goal"] * n)
-    bufs["policy.text_ids"].copy_(ids)
-    bufs["policy.text_mask"].copy_(mask)
+    table = InstructionTable(model, ["push the red square to the left goal"])
+    p.set_text(table, torch.zeros(n, dtype=torch.int64, device="cuda"))
     bufs["policy.image"].random_(0, 256)
     bufs["policy.proprio"].uniform_(-1, 1)
     bufs["policy.noise"].normal_()
     p.begin_episode()
-    p.encode_instruction()
     for _ in range(cfg.n_obs_steps):  # fill the history ring
         p.encode_observation()
     return p
@@ -63,26 +73,22 @@ def make_pipeline(model: FlowPolicy, n: int) -> PolicyPipeline:
 def pure_step(model: FlowPolicy, p: PolicyPipeline) -> Callable[[], torch.Tensor]:
     """The same step as a function of tensors that mutates nothing (what torch.compile gets)."""
     cfg = model.cfg
+    valid = torch.ones_like(p["obs_valid"])
 
-    def step(image, proprio, frame, kv_text, text_mask, kv_ring, ring_valid, noise):
+    def step(image, proprio, frame, kv_text, text_ids, text_mask, kv_ring, ring_valid, noise):
+        if not cfg.text_block:  # pi0's layout: images and language in one block B
+            kv, _ = model.encode_frame(image, proprio, frame, [], text=(text_ids, text_mask))
+            return model.sample(noise, model.frame_segments(kv, valid, text_mask), frame)
         ctx = [(kv_text, text_mask)]
         if kv_ring is not None:
             ctx.append((kv_ring, ring_valid.repeat_interleave(cfg.frame_tokens, dim=1)))
         kv, _ = model.encode_frame(image, proprio, frame, ctx)
-        return model.sample(noise, [*ctx, (kv, torch.ones_like(text_mask[:, :1]).expand(-1, cfg.frame_tokens))], frame)
+        return model.sample(noise, [*ctx, *model.frame_segments(kv, valid)], frame)
 
     compiled = torch.compile(step, mode="reduce-overhead")
-    ring = cfg.n_obs_steps > 1
-    args = (
-        p["image"],
-        p["proprio"],
-        p["frame"],
-        p["kv_text"],
-        p["text_mask"],
-        p["kv_ring"] if ring else None,
-        p["ring_valid"] if ring else None,
-        p["noise"],
-    )
+    s = p.state
+    ids, mask = (s.text_ids, s.text_mask) if s.prompt_ids is None else (s.prompt_ids, s.prompt_mask)  # pi0.5: encoded
+    args = (s.image, s.proprio, s.frame, s.kv_text, ids, mask, s.kv_ring, s.ring_valid, s.noise)
     return lambda: compiled(*args)
 
 
@@ -115,10 +121,11 @@ def nbytes(module: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in module.parameters())
 
 
-def floors(model: FlowPolicy, p: PolicyPipeline, n: int, step: Callable[[], None], rates: dict) -> dict:
+def floors(model: FlowPolicy, n: int, step: Callable[[], None], rates: dict) -> dict:
     """The step's floors (see the module docstring), in ms."""
     c = model.cfg
     encode = nbytes(model) - nbytes(model.expert) - sum(nbytes(m) for m in (model.action_in, model.time_in))
+    encode -= nbytes(model.text_embed)  # a table the step looks a few rows up in (pi0's: 1 GB)
     per_euler = nbytes(model.expert) + n * c.depth * 2 * c.kv_heads * c.prefix_tokens * c.head_dim * 2
     moved = encode + c.steps * per_euler
     with kernels.reference_only(), FlopCounterMode(display=False, custom_mapping=FLOP_FORMULAS) as fc:
@@ -160,7 +167,7 @@ def bench(preset: str, n: int, reps: int, do_compile: bool, rates: dict) -> dict
             rec["graph_top_kernels"] = graph_kernels(lambda g=g: g.replay(n))
         del g
     rec["graph_chunks_per_s"] = n / rec["kernels_graph_ms"] * 1e3
-    rec.update(floors(model, p, n, step, rates))
+    rec.update(floors(model, n, step, rates))
     rec["launch_floor_ms"] = rec["kernels_nodes"] * rates["node_us"] / 1e3
     rec["top_kernels"] = top_kernels(step)
     if do_compile:
@@ -179,19 +186,22 @@ def bench(preset: str, n: int, reps: int, do_compile: bool, rates: dict) -> dict
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=Path("bench_policy.json"))
-    ap.add_argument("--tiny-batches", type=int, nargs="+", default=[1, 16, 256, 1024])
+    ap.add_argument("--tiny-batches", type=int, nargs="*", default=[1, 16, 256, 1024])
     ap.add_argument("--pi0-batches", type=int, nargs="*", default=[1])
+    ap.add_argument("--exact", nargs="*", default=[], choices=EXACT, help="pi0-exact presets to run")
+    ap.add_argument("--exact-batches", type=int, nargs="*", default=[1, 8, 64])
     ap.add_argument("--compile", nargs="*", default=["tiny:1", "tiny:256"], help="preset:batch pairs to compile")
     ap.add_argument("--reps", type=int, default=50)
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_policy.py measures GPU latency: run it on a machine with a CUDA GPU")
     runs = [("tiny", n) for n in args.tiny_batches] + [("pi0", n) for n in args.pi0_batches]
+    runs += [(preset, n) for preset in args.exact for n in args.exact_batches]
     rates = gpu_rates()
     print("rates", json.dumps(rates), flush=True)
     rows = []
     for preset, n in runs:
-        reps = args.reps if preset == "tiny" else max(5, args.reps // 5)
+        reps = args.reps if preset == "tiny" else max(5, args.reps // 5)  # pi0-sized steps take ms
         rows.append(bench(preset, n, reps, f"{preset}:{n}" in args.compile, rates))
         torch.cuda.empty_cache()
         print(json.dumps(rows[-1]), flush=True)
