@@ -80,11 +80,16 @@ def test_bad_device_actions_are_refused_by_the_guard_and_the_state_is_untouched(
 def arena_mismatches(a: runtime.BufferSet, b: runtime.BufferSet) -> list[str]:
     """The state buffers where two sets differ: integer and flag fields (RNG keys and counters,
     steps, instructions, frames, flags) at all; float fields by more than 5 % of the field's
-    scale (bf16 rounding of the two implementations stays far below; a wrong field does not)."""
+    scale (bf16 rounding of the two implementations stays far below; a wrong field does not);
+    rendered images in more than 2 % of their pixels (positions that differ by rounding move an
+    object's edge by a pixel here and there)."""
     bad = []
     for name in a.names("slot", "shared"):
         x, y = a[name], b[name]
-        if x.is_floating_point():
+        if name == "policy.image":
+            if float((x != y).any(-1).float().mean()) > 0.02:
+                bad.append(name)
+        elif x.is_floating_point():
             scale = max(1.0, float(y.float().abs().max()))
             if not torch.isfinite(x).all() or float((x.float() - y.float()).abs().max()) > 0.05 * scale:
                 bad.append(name)
