@@ -321,7 +321,7 @@ def normalize(x: torch.Tensor, mode: str, stats: torch.Tensor | None, inverse: b
     if mode == "mean_std":
         return x * b + a if inverse else (x - a) / (b + NORM_EPS)
     denom = b - a
-    denom = torch.where(denom == 0, torch.tensor(NORM_EPS, device=x.device, dtype=x.dtype), denom)
+    denom = torch.where(denom == 0, NORM_EPS, denom)  # a Python scalar: nothing is copied inside a capture
     if mode == "min_max":
         return (x + 1) / 2 * denom + a if inverse else 2 * (x - a) / denom - 1
     return (x + 1.0) * denom / 2.0 + a if inverse else 2.0 * (x - a) / denom - 1.0  # quantiles, quantile10
