@@ -82,6 +82,7 @@ class Capsule:
         self.path = path
         self.ready = ready or Event()
         self.checked_for: str | None = None  # uid of the last buffer set this capsule was checked against
+        self._digest: str | None = None  # checksum of the file at ``path`` as this capsule wrote or read it
 
     @property
     def meta(self) -> dict[str, Any]:
@@ -140,12 +141,13 @@ class Capsule:
         file.
         """
         moved = self.moved(tier, path=path, stream=stream)
-        self.rows, self.shared, self.tier, self.path, self.ready = (
+        self.rows, self.shared, self.tier, self.path, self.ready, self._digest = (
             moved.rows,
             moved.shared,
             moved.tier,
             moved.path,
             moved.ready,
+            moved._digest,
         )
         return self
 
@@ -163,8 +165,8 @@ class Capsule:
             target = Path(path) if path is not None else self.path
             if target is None:
                 raise ValueError("moving a capsule to the disk tier needs path=...")
-            self._write(target)
             out = Capsule(d, None, None, tier="disk", device=self.device, path=target)
+            out._digest = self._write(target)
         elif self.tier == "disk":
             out = _loaded(self, self.device, tier)
             out.path = self.path
@@ -178,6 +180,7 @@ class Capsule:
                 ready = Event.record_on(stream)
             out = Capsule(d, rows, shared, tier=tier, device=self.device, path=self.path, ready=ready)
         out.origin, out.checked_for = self.origin, self.checked_for
+        out._digest = out._digest or self._digest
         return out
 
     # -- disk --------------------------------------------------------------------------------
@@ -194,11 +197,11 @@ class Capsule:
                     f"capsule is on disk at {self.path}; promote it (capsule.to('host')) before saving elsewhere"
                 )
             return path
-        self._write(path)
+        self._digest = self._write(path)
         self.path = path
         return path
 
-    def _write(self, path: Path) -> None:
+    def _write(self, path: Path) -> str:
         d = self.descriptor
         odd = [f"{e.name} ({e.dtype})" for e in d.entries if e.dtype not in DTYPES or e.name == "__metadata__"]
         if odd:
@@ -208,7 +211,7 @@ class Capsule:
             )
         assert self.rows is not None and self.shared is not None
         self.ready.synchronize()
-        capsule_file.save(path, d, self.rows.cpu(), self.shared.cpu())
+        return capsule_file.save(path, d, self.rows.cpu(), self.shared.cpu())
 
     @classmethod
     def load(cls, path: str | os.PathLike, *, device: torch.device | str = "cpu", tier: Tier = "gpu") -> Capsule:
@@ -219,7 +222,7 @@ class Capsule:
         if tier not in ("gpu", "host"):
             raise ValueError(f"load into the 'gpu' or 'host' tier, got {tier!r}")
         path, device = Path(path), torch.device(device)
-        desc, data = capsule_file.read(path)
+        desc, data, digest = capsule_file.read(path)
         rows, shared = capsule_file.unpack(desc, data, pin_memory=tier == "host" and device.type == "cuda")
         del data
         stream = Stream.current(device)
@@ -227,13 +230,15 @@ class Capsule:
             if tier == "gpu":
                 rows, shared = rows.to(device, non_blocking=True), shared.to(device, non_blocking=True)
             ready = Event.record_on(stream)
-        return cls(desc, rows, shared, tier=tier, device=device, path=path, ready=ready)
+        capsule = cls(desc, rows, shared, tier=tier, device=device, path=path, ready=ready)
+        capsule._digest = digest
+        return capsule
 
 
 def _loaded(capsule: Capsule, device: torch.device, tier: Tier = "gpu") -> Capsule:
     """The bytes of a disk-tier capsule, read and verified, in ``tier`` on ``device``."""
     loaded = Capsule.load(capsule.path, device=device, tier=tier)  # type: ignore[arg-type]
-    if loaded.descriptor != capsule.descriptor:
+    if loaded.descriptor != capsule.descriptor or capsule._digest not in (None, loaded._digest):
         raise CapsuleFileError(
             f"{capsule.path} now holds another capsule than the one saved there (it was replaced on disk); "
             "take a new snapshot"
