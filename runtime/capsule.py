@@ -164,7 +164,7 @@ class Capsule:
         elif tier == "disk":
             target = Path(path) if path is not None else self.path
             if target is None:
-                raise ValueError("moving a capsule to the disk tier needs path=...")
+                raise ValueError("moving a capsule to the disk tier needs path=... (it has not been saved before)")
             out = Capsule(d, None, None, tier="disk", device=self.device, path=target)
             out._digest = self._write(target)
         elif self.tier == "disk":
@@ -270,12 +270,14 @@ def _slot_index(bufs: BufferSet, slots: Sequence[int] | torch.Tensor, what: str)
     except TypeError:
         raise TypeError(f"{what}: slots must be integers, got {slots!r:.80}") from None
     if not out:
-        raise ValueError(f"{what}: empty slot list")
+        raise ValueError(f"{what}: empty slot list; name at least one slot")
     if min(out) < 0 or max(out) >= bufs.num_slots:
         bad = [s for s in out if not 0 <= s < bufs.num_slots]
-        raise IndexError(f"{what}: slots {bad} out of range for a set of {bufs.num_slots} slots")
+        raise IndexError(
+            f"{what}: slots {bad} out of range for a set of {bufs.num_slots} slots; use 0..{bufs.num_slots - 1}"
+        )
     if len(set(out)) != len(out):
-        raise ValueError(f"{what}: duplicate slots in {list(out)}")
+        raise ValueError(f"{what}: duplicate slots in {list(out)}; name each slot once")
     return out
 
 
@@ -528,14 +530,16 @@ def fork(
         check(bufs, src)
         d = src.descriptor
         if not any(e.kind == "slot" for e in d.entries):
-            raise ValueError("fork: the capsule holds no slot buffers")
+            raise ValueError("fork: the capsule holds no slot buffers, and fork copies slot rows; use restore() for it")
         origin = d.slots if d.slots is not None else tuple(range(d.num_rows))
         if src_slot is None:
             if len(origin) != 1:
                 raise ValueError(f"fork: the capsule holds slots {list(origin)}; name one with src_slot=")
             src_slot = origin[0]
         if src_slot not in origin:
-            raise ValueError(f"fork: src_slot {src_slot} is not in the capsule's slots {list(origin)}")
+            raise ValueError(
+                f"fork: src_slot {src_slot} is not in the capsule's slots {list(origin)}; pick one of those"
+            )
         if src.tier == "disk":
             src = _loaded(src, bufs.device)
         assert src.rows is not None and src.shared is not None

@@ -113,9 +113,13 @@ def read(path: Path) -> tuple[Descriptor, torch.Tensor, str]:
                     )
                 got += n
     except FileNotFoundError:
-        raise CapsuleFileError(f"no capsule file at {path}") from None
+        raise CapsuleFileError(
+            f"no capsule file at {path}; check the path (was it saved, or evicted from a registry?)"
+        ) from None
     except OSError as e:
-        raise CapsuleFileError(f"{path} cannot be read as a capsule file: {e}") from None
+        raise CapsuleFileError(
+            f"{path} cannot be read as a capsule file: {e}; check the path and its permissions"
+        ) from None
     h = _hasher(text)
     h.update(data.numpy())
     if h.hexdigest() != digest:
@@ -125,7 +129,10 @@ def read(path: Path) -> tuple[Descriptor, torch.Tensor, str]:
 
 def _read_header(f: BinaryIO, path: Path, size: int) -> tuple[Descriptor, str, str]:
     def bad(why: str) -> CapsuleFileError:
-        return CapsuleFileError(f"{path} is not a readable capsule (truncated or corrupted?): {why}")
+        return CapsuleFileError(
+            f"{path} is not a readable capsule (truncated or corrupted?): {why}; it cannot be restored: take a new "
+            "snapshot (capsule files are only ever written whole, so this one was damaged or made by something else)"
+        )
 
     if size < 8:
         raise bad(f"{size} bytes, shorter than the 8-byte header length")
@@ -148,7 +155,10 @@ def _read_header(f: BinaryIO, path: Path, size: int) -> tuple[Descriptor, str, s
             f"descriptor, so it cannot be verified; this version reads {FORMAT}: take a new snapshot"
         )
     if fmt != FORMAT:
-        raise CapsuleFileError(f"{path} is a safetensors file but not a {FORMAT} capsule (format={fmt!r:.80})")
+        raise CapsuleFileError(
+            f"{path} is a safetensors file but not a {FORMAT} capsule (format={fmt!r:.80}); pass a file written "
+            "by Capsule.save"
+        )
     text, digest = meta.get("descriptor"), meta.get("sha256")
     if not isinstance(text, str) or not isinstance(digest, str):
         raise bad("__metadata__ needs string fields 'descriptor' and 'sha256'")

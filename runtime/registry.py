@@ -170,9 +170,11 @@ class CapsuleRegistry:
         over-budget tiers then demote their LRU unpinned capsules. Returns a new capsule object
         over the entry, as :meth:`get` does."""
         if not isinstance(name, str) or not _NAME.fullmatch(name):
-            raise ValueError(f"capsule name {name!r} must match {_NAME.pattern}")
+            raise ValueError(
+                f"capsule name {name!r} must match {_NAME.pattern}: letters, digits, '_', '.', '-', no path separators"
+            )
         if not isinstance(capsule, Capsule):
-            raise TypeError(f"put takes a Capsule, got {type(capsule).__name__}")
+            raise TypeError(f"put takes a Capsule (from snapshot() or Capsule.load), got {type(capsule).__name__}")
         if capsule.nbytes == 0:
             raise CapsuleError(
                 f"capsule {name!r} holds no state bytes, so no budget would bound how many such entries are kept; "
