@@ -1,11 +1,12 @@
 """Execution-state capsules: the byte image of a buffer set's live state at a boundary.
 
 :func:`snapshot` copies the state of all or selected slots (and buffers) out into a
-:class:`Capsule`; :mod:`flashrt.runtime.verbs` copies one back. A capsule lives in one tier at a
-time: ``gpu`` (the origin device), ``host`` (pinned memory, asynchronous copies) or ``disk`` (a
-safetensors file written atomically, its descriptor and data under one checksum verified on
-load: :mod:`flashrt.runtime.capsule_file`). A capsule's bytes are never written in place once
-taken: a move between tiers makes new tensors, so two capsule objects may share bytes safely.
+:class:`Capsule`, and :func:`check` says whether one can go back into a buffer set;
+:mod:`flashrt.runtime.verbs` copies it back. A capsule lives in one tier at a time: ``gpu``
+(the origin device), ``host`` (pinned memory, asynchronous copies) or ``disk`` (a safetensors
+file written atomically, its descriptor and data under one checksum verified on load:
+:mod:`flashrt.runtime.capsule_file`). A capsule's bytes are never written in place once taken:
+a move between tiers makes new tensors, so two capsule objects may share bytes safely.
 """
 
 from __future__ import annotations
@@ -20,7 +21,16 @@ import torch
 
 from flashrt.runtime import capsule_file
 from flashrt.runtime.buffers import BufferSet, BufferSpec, dtype_from_name, dtype_name
-from flashrt.runtime.descriptor import DTYPES, CapsuleError, CapsuleFileError, Descriptor, Entry, align
+from flashrt.runtime.descriptor import (
+    DTYPES,
+    CapsuleError,
+    CapsuleFileError,
+    DeploymentMismatchError,
+    Descriptor,
+    Entry,
+    LayoutMismatchError,
+    align,
+)
 from flashrt.runtime.slots import index_tensor, slot_index
 from flashrt.runtime.streams import Event, Stream
 
@@ -348,3 +358,46 @@ def _gather(
         off = bufs.placements[e.name].offset
         out[:, e.offset : e.offset + e.nbytes] = src[:, off : off + e.nbytes]
     return _to_device(out, target)
+
+
+def check(bufs: BufferSet, capsule: Capsule) -> None:
+    """Raise if ``capsule`` cannot be restored into ``bufs`` (deployment or layout mismatch)."""
+    if capsule.checked_for == bufs.uid:
+        return
+    d = capsule.descriptor
+    if d.deployment != bufs.deployment:
+        raise DeploymentMismatchError(
+            f"capsule was made by deployment {d.deployment!r}, this buffer set is {bufs.deployment!r} "
+            "(different model config, weights or kernel version); restore it where it was made"
+        )
+    whole = whole_kinds(bufs, d)
+    for e in d.entries:
+        if e.name not in bufs:
+            raise LayoutMismatchError(
+                f"capsule buffer {e.name!r} does not exist in the target set; restore it into a set of its layout"
+            )
+        s = bufs.placements[e.name].spec
+        got = (e.kind, e.shape, e.dtype)
+        want = (s.kind, s.shape, dtype_name(s.dtype))
+        if got != want:
+            raise LayoutMismatchError(
+                f"buffer {e.name!r}: capsule has (kind, shape, dtype) {got}, target has {want}; restore it into a "
+                "set that declares the buffer the same way"
+            )
+        if whole[e.kind] and e.offset != bufs.placements[e.name].offset:
+            raise LayoutMismatchError(
+                f"buffer {e.name!r}: the capsule claims this set's layout but puts the buffer at byte {e.offset}, not "
+                f"{bufs.placements[e.name].offset}; the capsule is inconsistent: take a new snapshot"
+            )
+    capsule.checked_for = bufs.uid  # a set never changes layout: check each pair once
+
+
+def whole_kinds(bufs: BufferSet, d: Descriptor) -> dict[str, bool]:
+    """Per kind, whether the capsule holds that arena of ``bufs`` byte for byte (this set's layout,
+    every buffer, the arena's size): restoring it is then one copy of the arena."""
+    same = d.layout == bufs.layout_digest
+    names = {k: {e.name for e in d.entries if e.kind == k} for k in ("slot", "shared")}
+    return {
+        "slot": same and d.row_bytes == bufs.row_bytes and names["slot"] == set(bufs.names("slot")),
+        "shared": same and d.shared_bytes == bufs.shared_arena.numel() and names["shared"] == set(bufs.names("shared")),
+    }

@@ -14,49 +14,15 @@ from collections.abc import Sequence
 
 import torch
 
-from flashrt.runtime.buffers import BufferSet, dtype_name
-from flashrt.runtime.capsule import Capsule
+from flashrt.runtime.buffers import BufferSet
+from flashrt.runtime.capsule import Capsule, check, whole_kinds
 from flashrt.runtime.descriptor import (
     CapsuleError,
-    DeploymentMismatchError,
     Descriptor,
     Entry,
-    LayoutMismatchError,
 )
 from flashrt.runtime.slots import copy_rows, index_tensor, slot_index
 from flashrt.runtime.streams import Stream
-
-
-def check(bufs: BufferSet, capsule: Capsule) -> None:
-    """Raise if ``capsule`` cannot be restored into ``bufs`` (deployment or layout mismatch)."""
-    if capsule.checked_for == bufs.uid:
-        return
-    d = capsule.descriptor
-    if d.deployment != bufs.deployment:
-        raise DeploymentMismatchError(
-            f"capsule was made by deployment {d.deployment!r}, this buffer set is {bufs.deployment!r} "
-            "(different model config, weights or kernel version); restore it where it was made"
-        )
-    whole = _whole(bufs, d)
-    for e in d.entries:
-        if e.name not in bufs:
-            raise LayoutMismatchError(
-                f"capsule buffer {e.name!r} does not exist in the target set; restore it into a set of its layout"
-            )
-        s = bufs.placements[e.name].spec
-        got = (e.kind, e.shape, e.dtype)
-        want = (s.kind, s.shape, dtype_name(s.dtype))
-        if got != want:
-            raise LayoutMismatchError(
-                f"buffer {e.name!r}: capsule has (kind, shape, dtype) {got}, target has {want}; restore it into a "
-                "set that declares the buffer the same way"
-            )
-        if whole[e.kind] and e.offset != bufs.placements[e.name].offset:
-            raise LayoutMismatchError(
-                f"buffer {e.name!r}: the capsule claims this set's layout but puts the buffer at byte {e.offset}, not "
-                f"{bufs.placements[e.name].offset}; the capsule is inconsistent: take a new snapshot"
-            )
-    capsule.checked_for = bufs.uid  # a set never changes layout: check each pair once
 
 
 def restore(
@@ -100,20 +66,9 @@ def restore(
         _write(bufs, d, src.rows, src.shared, dst)
 
 
-def _whole(bufs: BufferSet, d: Descriptor) -> dict[str, bool]:
-    """Per kind, whether the capsule holds that arena of ``bufs`` byte for byte (this set's layout,
-    every buffer, the arena's size): restoring it is then one copy of the arena."""
-    same = d.layout == bufs.layout_digest
-    names = {k: {e.name for e in d.entries if e.kind == k} for k in ("slot", "shared")}
-    return {
-        "slot": same and d.row_bytes == bufs.row_bytes and names["slot"] == set(bufs.names("slot")),
-        "shared": same and d.shared_bytes == bufs.shared_arena.numel() and names["shared"] == set(bufs.names("shared")),
-    }
-
-
 def _write(bufs: BufferSet, d: Descriptor, rows: torch.Tensor, shared: torch.Tensor, dst: tuple[int, ...]) -> None:
     by_kind = {k: [e for e in d.entries if e.kind == k] for k in ("slot", "shared")}
-    whole = _whole(bufs, d)
+    whole = whole_kinds(bufs, d)
     idx = None if dst == tuple(range(bufs.num_slots)) else index_tensor(bufs, dst)
     if by_kind["slot"]:
         _scatter(bufs, bufs.slot_arena, idx, rows, by_kind["slot"], whole["slot"])
