@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors.torch import save as save_bytes
 
 from flashrt.runtime import BufferSet, atomic_write
 from flashrt_gym.tasks import Tabletop, TabletopConfig
@@ -25,7 +25,7 @@ FORMAT = "flashrt-demos/1"
 
 
 def collect(
-    task: Tabletop,
+    task: TabletopConfig,
     num_episodes: int,
     *,
     num_slots: int = 256,
@@ -34,27 +34,33 @@ def collect(
     seed: int = 0,
     device: str | torch.device = "cpu",
 ) -> Iterator[dict[str, torch.Tensor]]:
-    """Run the expert (plus Gaussian action noise) in batches of ``num_slots`` episodes and
-    yield one batch of successful episodes at a time, on the CPU."""
+    """Run the expert (plus Gaussian action noise) of ``task``'s configuration in batches of
+    ``num_slots`` episodes and yield one batch of successful episodes at a time, on the CPU."""
     if num_episodes < 1 or num_slots < 1 or max_ticks < 1:
         raise ValueError("num_episodes, num_slots and max_ticks must be >= 1")
     if noise_std < 0:
         raise ValueError(f"noise_std must be >= 0, got {noise_std}")
     done, first_episode = 0, 0
     g = torch.Generator(device=device).manual_seed(seed)
+    cfg = task
     while done < num_episodes:
-        b = BufferSet(task.specs(), num_slots, device)
-        task.seed(b, torch.arange(num_slots, device=device) + seed * 1_000_003 + first_episode)
-        task.reset(b)
+        sim = Tabletop(cfg)
+        sim.bind(BufferSet(sim.specs(), num_slots, device))
+        sim.seed(torch.arange(num_slots, device=device) + seed * 1_000_003 + first_episode)
+        sim.reset()
         frames = []
         for _ in range(max_ticks):
-            alive = ~b["sim.success"]
+            alive = ~sim.success
             noise = torch.randn(num_slots, 2, generator=g, device=device) * noise_std
-            action = (task.expert(b) + noise).clamp(-1.0, 1.0)
-            frames.append((task.render(b), task.proprio(b).clone(), action, alive))
-            task.step(b, action)
+            action = (sim.expert() + noise).clamp(-1.0, 1.0)
+            image = torch.empty(num_slots, 1, cfg.image_size, cfg.image_size, 3, dtype=torch.uint8, device=device)
+            proprio = torch.empty(num_slots, sim.proprio_dim, device=device)
+            sim.render(out=image)
+            sim.proprio(out=proprio)
+            frames.append((image[:, 0], proprio, action, alive))
+            sim.step(action)
         image, proprio, action, alive = (torch.stack(x, 1).cpu() for x in zip(*frames, strict=True))
-        ok = b["sim.success"].cpu()
+        ok = sim.success.cpu()
         keep = ok.nonzero().flatten()[: num_episodes - done]
         lengths = alive[keep].sum(1)
         sel = alive[keep]
@@ -63,7 +69,7 @@ def collect(
             "image": image[keep][sel],
             "proprio": proprio[keep][sel],
             "action": action[keep][sel],
-            "instruction": b["sim.instruction"].cpu()[keep].repeat_interleave(lengths),
+            "instruction": sim.instruction.cpu()[keep].repeat_interleave(lengths),
             "episode": ids.repeat_interleave(lengths),
             "tick": torch.cat([torch.arange(n) for n in lengths.tolist()])
             if len(keep)
@@ -79,7 +85,8 @@ def save_shard(shard: dict[str, torch.Tensor], path: str | os.PathLike, task: Ta
         "task": json.dumps({k: v for k, v in asdict(task).items() if k != "heldout"}),
         "instructions": json.dumps(Tabletop(task).instructions),
     }
-    return atomic_write(path, lambda tmp: save_file({k: v.contiguous() for k, v in shard.items()}, tmp, metadata=meta))
+    tensors = {k: v.contiguous() for k, v in shard.items()}
+    return atomic_write(path, lambda f: f.write(save_bytes(tensors, metadata=meta)))
 
 
 def load_shards(folder: str | os.PathLike) -> tuple[dict[str, torch.Tensor], TabletopConfig]:

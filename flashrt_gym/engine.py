@@ -1,151 +1,444 @@
-"""The unit one env step captures: the tabletop task and the VLA policy over one BufferSet.
+"""The env's machine: one simulator and one policy over one buffer set, the programs an env step
+runs, and the one owner of their capture and replay.
 
-An :class:`Engine` composes :class:`~flashrt_gym.tasks.Tabletop` and
-:class:`~flashrt.policies.PolicyPipeline` into one closed set of static buffers (``sim.*``, ``policy.*``
-and the step outputs ``env.*``) and defines two programs over it:
+An :class:`Engine` places the simulator's state (``sim.*``), the policy's (``policy.*``), the
+episode counters (``env.episode.*``) and the step's inputs and outputs (``env.in.*``,
+``env.out.*``, ``env.obs.*``, ``env.final.*``) in one :class:`flashrt.runtime.BufferSet`, and
+defines its programs over them:
 
-- :meth:`Engine.start` (the cold path, every slot): draw episodes, look up and encode the
-  instructions, render, encode the first observation;
-- :meth:`Engine.step` (one action chunk, capturable): denoise the chunk from ``policy.noise``
-  (written by the agent, or drawn from the per-slot RNG), execute ``n_action_steps`` actions in
-  the simulator summing rewards, render, encode the next observation, set the episode flags.
+- :meth:`Engine.start` and :meth:`Engine.restart`: new episodes (simulator draw, instruction
+  keys/values from the :class:`~flashrt.policies.InstructionTable`, the first frame encoded);
+- the step (captured once as a guarded graph variant, replayed by :meth:`Engine.launch`): the
+  agent's action -> the policy's chunk -> ``n_action_steps`` simulator ticks -> episode flags ->
+  (with autoreset) the finished slots' final observations and their next episodes -> render ->
+  encode -> observations. A finished slot's next episode is drawn inside the step, from its own
+  RNG stream, and its first frame is encoded in the step's one batched encode: an autoreset costs
+  the step no extra encode and no host work, whenever it happens.
+
+Capsule verbs (:meth:`Engine.snapshot`, :meth:`Engine.restore`, :meth:`Engine.fork`) are byte
+copies of the buffer set; a capsule from elsewhere is validated (its index-valued and flag
+buffers) before its first byte is copied.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
 
+import numpy as np
 import torch
 
-from flashrt.policies import FlowPolicy, PolicyPipeline, deployment_digest, policy_specs, tokenizer_for
-from flashrt.runtime import BufferSet, BufferSpec, Graph, slot
-from flashrt_gym.tasks import Tabletop
+from flashrt import runtime
+from flashrt.policies import FlowPolicy, InstructionTable, PolicyConfig, PolicyPipeline, deployment_digest, policy_specs
+from flashrt.runtime import BufferSpec, Capsule, Graph, scratch, slot
+from flashrt.runtime.views import bind_views
+from flashrt_gym.external import ExternalSimulator, Mirror, is_external
+from flashrt_gym.simulator import Simulator
 
-ENV_SPECS = [
-    slot("env.reward_dense", ()),
-    slot("env.reward_sparse", ()),
-    slot("env.steps", (), torch.int64),  # env steps (chunks) into the episode
-    slot("env.terminated", (), torch.bool),
-    slot("env.truncated", (), torch.bool),
-]
+ObsForm = Literal["state", "features", "rgb"]
+OBS_FORMS: tuple[ObsForm, ...] = ("state", "features", "rgb")
+
+
+@dataclass(frozen=True)
+class StepConfig:
+    """The static options of a step (they shape its buffers and its captured graph).
+
+    Args:
+        action_mode: ``"noise"`` (the action scaled by ``noise_bound`` is the policy's initial
+            noise) or ``"residual"`` (the policy draws its own noise; the action scaled by
+            ``residual_scale`` is added to its chunk).
+        reward_mode: ``"dense"`` or ``"sparse"``.
+        noise_bound, residual_scale: see ``action_mode``.
+        repeat_over_horizon: the action is one ``action_dim`` vector repeated over the chunk.
+        n_action_steps: actions of each chunk the simulator executes per step.
+        max_episode_steps: steps after which an episode is truncated.
+        obs_forms: the observation forms a step writes (a subset of :data:`OBS_FORMS`).
+        autoreset: finished slots start their next episode inside the same step.
+    """
+
+    action_mode: Literal["noise", "residual"] = "noise"
+    reward_mode: Literal["dense", "sparse"] = "dense"
+    noise_bound: float = 1.5
+    residual_scale: float = 0.5
+    repeat_over_horizon: bool = False
+    n_action_steps: int = 4
+    max_episode_steps: int = 40
+    obs_forms: tuple[ObsForm, ...] = ("state",)
+    autoreset: bool = True
+
+
+@dataclass(frozen=True)
+class EpisodeState:
+    """Per-slot episode state (``env.episode.*``): env steps (chunks) into the episode."""
+
+    steps: torch.Tensor
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    """What a step reads (``env.in.*``, scratch): the agent's actions as given, the guard's flag
+    (every action in bounds), the chunk the simulator executes, and room for the reward the
+    step does not return."""
+
+    action: torch.Tensor
+    action_ok: torch.Tensor
+    chunk: torch.Tensor
+    other_reward: torch.Tensor
+
+
+@dataclass(frozen=True)
+class StepOutputs:
+    """What a step returns (``env.out.*``, scratch), declared back to back with the observations
+    so that one copy reads everything out."""
+
+    reward: torch.Tensor
+    terminated: torch.Tensor
+    truncated: torch.Tensor
+    done: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class Observations:
+    """The observation forms a step writes (``env.obs.*``, and ``env.final.*`` for the last
+    observation of the episodes that ended in the step); forms not asked for are None."""
+
+    state: torch.Tensor | None = None
+    features: torch.Tensor | None = None
+    rgb: torch.Tensor | None = None
 
 
 class Engine:
-    """Task + policy over one buffer set for ``num_slots`` parallel episodes.
+    """A simulator and a policy over one buffer set of ``num_slots`` slots, and their programs.
 
     Args:
-        task: the simulator.
-        model: the policy weights, on ``device``.
+        sim: the simulator (unbound: the engine binds it to its buffer set).
+        model: the policy weights, on the device the engine runs on.
         weights_id: identifies the weights (a file hash) for the deployment digest.
         num_slots: parallel episodes.
-        n_action_steps: actions of each denoised chunk executed per step (<= horizon).
-        max_episode_steps: steps (chunks) after which an episode is truncated.
+        cfg: the step's static options.
         backend: graph backend (``"auto"``: CUDA graphs on a GPU, eager on the CPU).
-        extra_specs: more buffers for the owner (an env's inputs and outputs) in the same set.
     """
 
     def __init__(
         self,
-        task: Tabletop,
+        sim: Simulator | ExternalSimulator,
         model: FlowPolicy,
         weights_id: str,
         num_slots: int,
+        cfg: StepConfig,
         *,
-        n_action_steps: int = 4,
-        max_episode_steps: int = 40,
-        backend: str = "auto",
-        extra_specs: Sequence[BufferSpec] = (),
+        backend: runtime.graphs.Backend = "auto",
     ) -> None:
         c = model.cfg
-        if not 1 <= n_action_steps <= c.horizon:
-            raise ValueError(f"n_action_steps must be in [1, horizon={c.horizon}], got {n_action_steps}")
-        if max_episode_steps < 1:
-            raise ValueError(f"max_episode_steps must be >= 1, got {max_episode_steps}")
-        if (c.num_cameras, c.image_size, c.action_dim, c.proprio_dim) != (1, task.cfg.image_size, 2, 2):
-            raise ValueError(
-                "the policy does not fit the task: it needs 1 camera, image_size "
-                f"{task.cfg.image_size}, action_dim 2 and proprio_dim 2; got {c.num_cameras}, {c.image_size}, "
-                f"{c.action_dim}, {c.proprio_dim}"
-            )
-        self.task, self.model = task, model
-        self.n_action_steps, self.max_episode_steps = n_action_steps, max_episode_steps
+        self.mirror = Mirror(sim) if is_external(sim) else None
+        sim = self.mirror or sim
+        _check_fit(sim, c, cfg)
+        self.sim, self.cfg = sim, cfg
         device = next(model.parameters()).device
-        task_id = repr(task.cfg) + f"|n_action_steps={n_action_steps}|max_episode_steps={max_episode_steps}"
-        digest = deployment_digest(model, weights_id + "|" + task_id)
-        specs = [*task.specs(), *policy_specs(model), *ENV_SPECS, *extra_specs]
-        self.bufs = BufferSet(specs, num_slots, device, deployment=digest)
-        self.policy = PolicyPipeline(model, self.bufs, backend=backend)
-        ids, mask = tokenizer_for(c).encode(task.instructions)
-        self.text_ids, self.text_mask = ids.to(device), mask.to(device)
-        self.graph = Graph("engine.step", backend=backend).bind(self.bufs)
+        identity = f"{sim.identity()}|n_action_steps={cfg.n_action_steps}|max_episode_steps={cfg.max_episode_steps}"
+        digest = deployment_digest(model, weights_id + identity)
+        episode = [slot("env.episode.steps", (), torch.int64)]
+        pending = self.mirror.scratch_specs(num_slots) if self.mirror else []
+        specs = [*sim.specs(), *policy_specs(model), *episode, *pending, *self._io_specs(c, num_slots)]
+        self.bufs = runtime.BufferSet(specs, num_slots, device, deployment=digest)
+        sim.bind(self.bufs)
+        self.policy = PolicyPipeline(model, self.bufs)
+        self.instructions = InstructionTable(model, sim.instructions)
+        self.episode = bind_views(EpisodeState, self.bufs, "env.episode")
+        self.inputs = bind_views(StepInputs, self.bufs, "env.in")
+        self.outputs = bind_views(StepOutputs, self.bufs, "env.out")
+        self.obs = bind_views(Observations, self.bufs, "env.obs")
+        self.final = bind_views(Observations, self.bufs, "env.final")
+        first = self.bufs.names("scratch").index("env.out.reward")
+        self.output_names = self.bufs.names("scratch")[first:]  # back to back: one copy reads them out
+        self.graph = Graph("env.step", backend=backend, max_variants=2).bind(self.bufs)
+
+    def _io_specs(self, c: PolicyConfig, n: int) -> list[BufferSpec]:
+        """The step's scratch buffers, outputs last and back to back."""
+        cfg = self.cfg
+        agent_dim = c.action_dim if cfg.repeat_over_horizon else c.horizon * c.action_dim
+        shapes = {
+            "state": ((self.sim.observation_dim,), torch.float32),
+            "features": ((c.width + self.sim.proprio_dim,), torch.float32),
+            "rgb": ((c.image_size, c.image_size, 3), torch.uint8),
+        }
+        prefixes = ("obs", "final") if cfg.autoreset else ("obs",)
+        return [
+            scratch("env.in.action", (n, agent_dim)),
+            scratch("env.in.action_ok", (1,), torch.bool),
+            scratch("env.in.chunk", (n, cfg.n_action_steps, self.sim.action_dim)),
+            scratch("env.in.other_reward", (n,)),
+            scratch("env.out.reward", (n,)),
+            scratch("env.out.terminated", (n,), torch.bool),
+            scratch("env.out.truncated", (n,), torch.bool),
+            *([scratch("env.out.done", (n,), torch.bool)] if cfg.autoreset else []),
+            *(
+                scratch(f"env.{p}.{form}", (n, *shapes[form][0]), shapes[form][1])
+                for p in prefixes
+                for form in cfg.obs_forms
+            ),
+        ]
 
     @property
     def num_slots(self) -> int:
         return self.bufs.num_slots
 
-    def __getitem__(self, name: str) -> torch.Tensor:
-        return self.bufs[name]
+    @property
+    def device(self) -> torch.device:
+        return self.bufs.device
 
-    # -- programs ------------------------------------------------------------------------------
-    def observe(self) -> None:
-        """Render every slot into the policy's image input and encode it as the newest frame."""
-        self.task.render(self.bufs, out=self.bufs["policy.image"][:, 0])
-        self.bufs["policy.proprio"].copy_(self.task.proprio(self.bufs))
+    # -- programs (plain callables over the buffers) ------------------------------------------
+    def _inputs(self, image: torch.Tensor, proprio: torch.Tensor) -> None:
+        """The simulator's camera images and proprioception into the policy's inputs (its state
+        input keeps zeros beyond the simulator's ``proprio_dim``)."""
+        self.sim.render(out=image)
+        self.sim.proprio(out=proprio[:, : self.sim.proprio_dim])
+
+    def _observe(self) -> None:
+        """Render every slot and encode it as its newest frame."""
+        p = self.policy.state
+        self._inputs(p.image, p.proprio)
         self.policy.encode_observation()
 
-    def start(self, seeds: Sequence[int] | torch.Tensor, instructions: torch.Tensor | None = None) -> None:
-        """Cold start of a new episode in every slot (simulator reset + render + instruction
-        prefill + first encode). ``seeds`` (num_slots,) fix each slot's draws; ``instructions``
-        (num_slots,) forces instruction indices (-1 keeps the draw)."""
-        b = self.bufs
-        seeds = torch.as_tensor(seeds, dtype=torch.int64, device=b.device)
-        if seeds.shape != (self.num_slots,):
-            raise ValueError(f"start needs one seed per slot: shape ({self.num_slots},), got {tuple(seeds.shape)}")
-        self.task.seed(b, seeds)
-        self.task.reset(b, instruction=None if instructions is None else instructions.to(b.device))
-        b["policy.rng_key"].copy_(seeds * 2654435761 + 1)
-        b["policy.rng_counter"].zero_()
-        self.set_text(b["sim.instruction"])
-        self.policy.begin_episode()
-        for name in ("env.reward_dense", "env.reward_sparse", "env.steps", "env.terminated", "env.truncated"):
-            b[name].zero_()
-        self.observe()
+    def _write(self, out: Observations) -> None:
+        """The observation forms of the current state into ``out``."""
+        p = self.policy.state
+        if out.state is not None:
+            self.sim.observation(out=out.state)
+        if out.features is not None:
+            out.features[:, : p.features.shape[1]].copy_(p.features)
+            out.features[:, p.features.shape[1] :].copy_(p.proprio[:, : self.sim.proprio_dim])
+        if out.rgb is not None:
+            out.rgb.copy_(p.image[:, 0])
 
-    def set_text(self, instruction: torch.Tensor) -> None:
-        """Point every slot's instruction tokens at task instruction indices and re-encode them."""
-        self.bufs["policy.text_ids"].copy_(self.text_ids[instruction])
-        self.bufs["policy.text_mask"].copy_(self.text_mask[instruction])
-        self.policy.encode_instruction()
+    def _restart(self, mask: torch.Tensor | None) -> None:
+        """Draw the next episode of every slot in ``mask`` (all if None): simulator, frame
+        history, instruction, episode counters (not the encode: the caller observes)."""
+        self.sim.reset(mask)
+        self.policy.begin_episode(mask)
+        self.policy.set_text(self.instructions, self.sim.instruction, mask)
+        if mask is None:
+            self.episode.steps.zero_()
+        else:
+            self.episode.steps.masked_fill_(mask, 0)
 
-    def step(self, draw_noise: bool = False, residual: torch.Tensor | None = None) -> None:
-        """One action chunk for every slot (capturable). With ``draw_noise`` the base policy
-        draws its own noise from the per-slot RNG; otherwise ``policy.noise`` is the input.
-        ``residual`` (slots, horizon, action_dim) is added to the denoised chunk (then clipped)."""
-        b, task = self.bufs, self.task
-        if draw_noise:
+    def _guard(self) -> torch.Tensor:
+        """The step's guard: whether every action lies in [-1, 1] (NaN fails it)."""
+        ok = self.inputs.action_ok
+        torch.le(torch.linalg.vector_norm(self.inputs.action, float("inf")), 1.0 + 1e-6, out=ok[0])
+        return ok
+
+    def _act(self) -> None:
+        """The agent's action -> the policy's chunk -> ``env.in.chunk``, what the simulator runs."""
+        cfg, sim, p = self.cfg, self.sim, self.policy.state
+        n, horizon, dim = p.noise.shape
+        a = self.inputs.action.view(n, -1, dim).expand(n, horizon, dim)
+        if cfg.action_mode == "noise":
+            torch.mul(a, cfg.noise_bound, out=p.noise)
+            self.policy.denoise()
+            chunk = p.actions
+        else:
             self.policy.draw_noise()
-        self.policy.denoise()
-        actions = b["policy.actions"]
-        if residual is not None:
-            actions = (actions + residual).clamp(-1.0, 1.0)
-        task.run_ticks(b, actions[:, : self.n_action_steps], out=(b["env.reward_dense"], b["env.reward_sparse"]))
-        b["env.steps"].add_(1)
-        b["env.terminated"].copy_(b["sim.success"])
-        torch.bitwise_and(b["env.steps"] >= self.max_episode_steps, ~b["sim.success"], out=b["env.truncated"])
-        self.observe()
+            self.policy.denoise()
+            chunk = (p.actions + a * cfg.residual_scale).clamp(-1.0, 1.0)
+        self.inputs.chunk.copy_(chunk[:, : cfg.n_action_steps, : sim.action_dim])
 
-    def capture(self, draw_noise: bool = False) -> Callable[[], None]:
-        """Record :meth:`step` as a graph variant and return a function that replays it."""
-        key = (self.num_slots, "draw_noise" if draw_noise else "agent_noise")
-        if key not in self.graph:
-            self.graph.capture(key, lambda: self.step(draw_noise))
-        return lambda: self.graph.replay(key)
+    def _rewards(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Where the simulator's (dense, sparse) rewards go: the returned one into ``env.out``."""
+        out, other = self.outputs.reward, self.inputs.other_reward
+        return (out, other) if self.cfg.reward_mode == "dense" else (other, out)
 
-    @torch.no_grad()
-    def success_rate(self, seeds: Sequence[int] | torch.Tensor) -> float:
-        """Closed-loop success of the unsteered policy (its own noise) from these starts."""
-        self.start(seeds)
-        replay = self.capture(draw_noise=True)
-        for _ in range(self.max_episode_steps):
-            replay()
-        return self.bufs["sim.success"].float().mean().item()
+    def _finish(self) -> None:
+        """After the ticks: episode counters and flags, the finished slots' final observations
+        and next episodes (with autoreset), render and encode, observations."""
+        cfg, sim, p, out = self.cfg, self.sim, self.policy.state, self.outputs
+        self.episode.steps.add_(1)
+        out.terminated.copy_(sim.success)
+        torch.bitwise_and(self.episode.steps >= cfg.max_episode_steps, ~sim.success, out=out.truncated)
+        if cfg.autoreset:
+            torch.logical_or(out.terminated, out.truncated, out=out.done)
+            final = self.final
+            if final.features is not None or final.rgb is not None:  # the last frame, rendered
+                self._inputs(p.image, p.proprio)
+            if final.features is not None:
+                width = p.features.shape[1]
+                self.policy.features_of_next(p.image, p.proprio, out=final.features[:, :width])
+                final.features[:, width:].copy_(p.proprio[:, : sim.proprio_dim])
+            if final.state is not None:
+                sim.observation(out=final.state)
+            if final.rgb is not None:
+                final.rgb.copy_(p.image[:, 0])
+            self._restart(out.done)
+        self._observe()
+        self._write(self.obs)
+
+    def program(self) -> None:
+        """One action chunk for every slot, on the actions in ``env.in.action``: the step
+        program :meth:`launch` captures and replays for an in-graph simulator (call it directly
+        to run it eagerly, e.g. to count or profile its kernels)."""
+        self._act()
+        self.sim.run_ticks(self.inputs.chunk, *self._rewards())
+        self._finish()
+
+    # -- the verbs the env calls ---------------------------------------------------------------
+    def start(self, seeds: torch.Tensor | None, mask: torch.Tensor | None = None) -> None:
+        """New episodes in every slot of ``mask`` (all if None); the other slots are left byte
+        for byte as they were. With int64 ``seeds`` (slots,) the slots' simulator and policy
+        RNG streams first restart from their seeds (a cold start: the episode is a function of
+        the seed alone); without, each slot draws the next episode of its stream. Then the
+        episode is drawn, its instruction set, its first frame encoded, observations written."""
+        saved = None if mask is None else self.bufs.slot_arena.clone()
+        if self.mirror is not None:
+            self.mirror.host_start(seeds, mask)
+        if seeds is not None:
+            self.sim.seed(seeds)
+            p = self.policy.state
+            p.rng_key.copy_(_slot_key(seeds))
+            p.rng_counter.zero_()
+        self._restart(None)
+        self._observe()
+        if saved is not None:  # every slot was encoded: put the others back
+            runtime.masked_restore(self.bufs.slot_arena, saved, ~mask)
+        self._write(self.obs)
+
+    def launch(self, actions: torch.Tensor) -> None:
+        """Copy ``actions`` in and run the step: one replay of the captured program (captured on
+        first use); for an external simulator, the act graph, the host hand-off and the finish
+        graph. The step runs only where every action is in bounds: :meth:`held` says whether it
+        did."""
+        self.inputs.action.copy_(actions)
+        if self.mirror is None:
+            if "step" not in self.graph:
+                self.graph.capture("step", self.program, guard=self._guard)
+            self.graph.replay("step")
+            return
+        if "act" not in self.graph:
+            self.graph.capture("act", self._act, guard=self._guard)
+            self.graph.capture("finish", self._finish)
+        self.graph.replay("act")
+        if not self.held():
+            return
+        cfg = self.cfg
+        rewards = self.mirror.host_step(self.inputs.chunk, self.episode.steps, cfg.max_episode_steps, cfg.autoreset)
+        for dst, src in zip(self._rewards(), rewards, strict=True):
+            dst.copy_(torch.from_numpy(np.ascontiguousarray(src, dtype=np.float32)))
+        self.graph.replay("finish")
+
+    def replay(self) -> None:
+        """Replay the captured step on the actions already in ``env.in.action`` (no copies, no
+        checks): how benchmarks time the step program alone. Call :meth:`launch` once first."""
+        if self.mirror is not None:
+            raise ValueError("an external simulator's step is two graphs and a host hand-off: time launch()")
+        self.graph.replay("step")
+
+    def held(self) -> bool:
+        """Whether the last launch's actions were in bounds (its step ran); waits for the guard."""
+        return self.graph.held("act" if self.mirror is not None else "step")
+
+    def read_outputs(self, device: torch.device | str | None = None) -> dict[str, torch.Tensor]:
+        """Copies of the step's outputs and observations (:attr:`output_names`), made by one
+        copy queued behind the step (on ``device``, default the engine's)."""
+        return self.bufs.clone(self.output_names, device)
+
+    def write_observation(self) -> None:
+        """The current state's observation forms into ``env.obs.*`` (after a restore or fork)."""
+        self._write(self.obs)
+
+    def set_instruction(self, index: int, slots: torch.Tensor | None) -> None:
+        """Give ``slots`` (all if None) the instruction ``index`` and its keys/values."""
+        instr = self.sim.instruction
+        if self.mirror is not None:
+            self.mirror.host.set_instruction(index, None if slots is None else slots.cpu().numpy())
+            self.mirror.host_refresh()
+        elif slots is None:
+            instr.fill_(index)
+        else:
+            instr[slots] = index
+        self.policy.set_text(self.instructions, instr)
+        self._write(self.obs)
+
+    # -- capsules ------------------------------------------------------------------------------
+    def snapshot(self, slots: Sequence[int] | None = None) -> Capsule:
+        """The state of all slots (or of ``slots``) at this boundary."""
+        return runtime.snapshot(self.bufs, slots)
+
+    def check(self, capsule: Capsule) -> None:
+        """Raise before anything is copied if ``capsule`` cannot be restored here: another
+        deployment or layout, or values the simulator, the policy or the episode counters cannot
+        run from (index-valued and flag buffers, NaN)."""
+        runtime.capsule.check(self.bufs, capsule)
+        views = {e.name: capsule.tensor(e.name) for e in capsule.descriptor.entries}
+        try:
+            self.sim.validate({k: v for k, v in views.items() if k.startswith("sim.")})
+            self.policy.validate({k: v for k, v in views.items() if k.startswith("policy.")})
+            steps = views.get("env.episode.steps")
+            if steps is not None and steps.numel() and int(steps.min()) < 0:
+                raise ValueError("env.episode.steps holds negative values")
+        except (ValueError, KeyError) as e:
+            raise runtime.CapsuleError(f"the capsule holds a state this env cannot run from: {e}") from e
+
+    def restore(self, capsule: Capsule, slots: Sequence[int] | None = None, *, check: bool = True) -> None:
+        """Restore ``capsule`` (all-or-nothing: :meth:`check` first, unless the caller made the
+        capsule itself and skips it); observations written."""
+        if check:
+            self.check(capsule)
+        if self.mirror is not None:  # the host first: it refuses a bad row before anything moves
+            self.mirror.host_write(capsule.slots if slots is None else slots, capsule.tensor("sim.state"))
+        runtime.restore(self.bufs, capsule, slots)
+        self._write(self.obs)
+
+    def rollback(self, capsule: Capsule) -> None:
+        """Return to an earlier boundary of this same buffer set; observations written."""
+        if capsule.origin != self.bufs.uid:
+            runtime.rollback(self.bufs, capsule)  # refuses it, naming the mistake
+        if self.mirror is not None:
+            self.mirror.host_write(capsule.slots, capsule.tensor("sim.state"))
+        runtime.rollback(self.bufs, capsule)
+        self._write(self.obs)
+
+    def fork(self, src: int, dst: Sequence[int], reseed: bool = False) -> None:
+        """Copy slot ``src``'s boundary into ``dst``; with ``reseed`` each destination gets its
+        own random streams (policy noise, later episodes). Observations written."""
+        runtime.fork(self.bufs, src, dst)
+        if self.mirror is not None:
+            self.mirror.host_write(dst, self.mirror.state.state[src : src + 1].expand(len(dst), -1))
+        if reseed:
+            idx = torch.tensor(list(dst), device=self.device)
+            for key in (self.policy.state.rng_key, self.sim.rng_key):
+                key[idx] = _reseed(key[idx], idx)
+            if self.mirror is not None:
+                self.mirror.host.seed(self.sim.rng_key[idx].cpu().numpy(), np.asarray(dst))
+                self.mirror.host_refresh()
+        self._write(self.obs)
+
+
+def _slot_key(seeds: torch.Tensor) -> torch.Tensor:
+    return seeds * 2654435761 + 1
+
+
+def _reseed(key: torch.Tensor, salt: torch.Tensor) -> torch.Tensor:
+    return key * 6364136223846793005 + salt + 1
+
+
+def _check_fit(sim: Simulator, c: PolicyConfig, cfg: StepConfig) -> None:
+    """Refuse a policy, simulator and step that cannot run together, naming the mismatch."""
+    if not 1 <= cfg.n_action_steps <= c.horizon:
+        raise ValueError(f"n_action_steps must be in [1, horizon={c.horizon}], got {cfg.n_action_steps}")
+    if cfg.max_episode_steps < 1:
+        raise ValueError(f"max_episode_steps must be >= 1, got {cfg.max_episode_steps}")
+    unknown = [f for f in cfg.obs_forms if f not in OBS_FORMS]
+    if unknown or not cfg.obs_forms:
+        raise ValueError(f"obs_forms must be a non-empty subset of {OBS_FORMS}, got {cfg.obs_forms}")
+    wants = {
+        "num_cameras": (c.num_cameras, sim.num_cameras, "equal"),
+        "image_size": (c.image_size, sim.image_size, "equal"),
+        "action_dim": (c.action_dim, sim.action_dim, "at least"),
+        "proprio_dim": (c.proprio_dim, sim.proprio_dim, "at least"),
+    }
+    for name, (policy, simulator, rule) in wants.items():
+        if policy < simulator or (rule == "equal" and policy != simulator):
+            raise ValueError(
+                f"the policy does not fit the simulator: its {name} is {policy}, the simulator's {simulator} "
+                f"(the policy's must be {rule} the simulator's); use a policy made for this simulator"
+            )

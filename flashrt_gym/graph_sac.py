@@ -9,18 +9,28 @@ whatever the network size, and DSRL's update-to-data ratios (about 20) are out o
 * :class:`DeviceReplayBuffer` holds the transitions in tensors on the learner's device and
   draws minibatch indices there (the fill level is a device tensor), so sampling needs no
   host round trip;
-* one gradient step (sample, entropy coefficient, critic, actor, Polyak update) is captured
-  once as a CUDA graph and replayed ``gradient_steps`` times; the Adam optimizers run in
-  capturable mode with their learning rates in device tensors (schedules still apply);
+* every tensor the gradient step reads or writes (parameters, target parameters, gradients,
+  Adam state, learning rates, the replay storage, the loss sums) is a view of one
+  :class:`~flashrt.runtime.BufferSet`; whatever SB3 replaces (``load``, ``set_parameters``,
+  ``load_replay_buffer``) is copied back into those views before the next update, so the views
+  never move;
+* one gradient step (sample, entropy coefficient, critic, actor, Polyak update) is captured once
+  by :class:`flashrt.runtime.Graph` (warm-up on a side stream, then capture; the state is put
+  back afterwards, so capturing changes nothing) and replayed ``gradient_steps`` times; the Adam
+  optimizers run fused and capturable with their learning rates in device tensors (schedules
+  still apply);
 * the losses are summed on the device and read once per ``train`` call.
 
-On the CPU (and with ``use_graphs=False``) the same gradient-step function runs eagerly, so
-the CPU path is the captured path's logic without the capture. The update is SB3's, term for
-term; only its order of random draws differs (indices are drawn on the device).
+On the CPU (and with ``use_graphs=False``) the same program runs through the graph's eager
+backend, so the CPU path is the captured path's logic without the capture. The update is SB3's,
+term for term; only its order of random draws differs (indices are drawn on the device).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -37,7 +47,11 @@ from stable_baselines3.sac.policies import Actor, SACPolicy
 from torch import nn
 from torch.distributions import Distribution
 
-WARMUP_STEPS = 3  # eager gradient steps on a side stream before a capture (real updates, counted)
+from flashrt import runtime
+from flashrt.runtime import BufferSet, scratch, shared
+
+WARMUP_STEPS = 3  # gradient steps run (and undone) on a side stream before a capture
+ADAM_STATE = ("step", "exp_avg", "exp_avg_sq")
 
 
 class DeviceReplayBuffer(ReplayBuffer):
@@ -94,7 +108,7 @@ class DeviceReplayBuffer(ReplayBuffer):
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state["_store"] = {k: v.cpu() for k, v in self._store.items()}
+        state["_store"] = {k: v.to("cpu", copy=True) for k, v in self._store.items()}  # compact copies, not arena views
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -122,7 +136,7 @@ class DeviceReplayBuffer(ReplayBuffer):
             ("not_done", not_done),
         ):
             dst = self._store[name][rows]
-            dst.copy_(torch.as_tensor(np.asarray(value)).reshape(dst.shape))
+            dst.copy_(torch.tensor(np.asarray(value)).reshape(dst.shape))  # a copy: env arrays are read-only
         self.pos += 1
         if self.pos == self.buffer_size:
             self.full, self.pos = True, 0
@@ -219,28 +233,92 @@ class GraphSAC(SAC):
 
     def _setup_model(self) -> None:
         super()._setup_model()
-        self._graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
-        self._graph_buffer: DeviceReplayBuffer | None = None
-        self._stats = torch.zeros(4, device=self.device)  # ent_coef, ent_coef_loss, critic_loss, actor_loss
+        self._prepare_optimizers()
+        live = self._live()
+        grads = {f"grad.{k.removeprefix('param.')}": t for k, t in live.items() if t.requires_grad}
+        specs = [shared(k, t.shape, t.dtype) for k, t in live.items()] + [shared("stats", (4,))]
+        specs += [scratch(k, t.shape, t.dtype) for k, t in grads.items()]
+        self._bufs = BufferSet(specs, 1, self.device)
+        for k, t in grads.items():
+            t.grad = self._bufs[k]
+        backend = "auto" if self.use_graphs else "eager"
+        self._graph = runtime.Graph("graph_sac.step", backend=backend).bind(self._bufs)
+        self._bind()
+
+    def _prepare_optimizers(self) -> None:
+        """Fused, capturable Adam on CUDA, with its state present from the start (zeros before
+        the first step, as Adam would make it) so that it can be bound."""
+        on = self.device if self.device.type == "cuda" else torch.device("cpu")
         for opt in self._optimizers():
             _set_capturable(opt, self.device)
+            for group in opt.param_groups:
+                for p in group["params"]:
+                    if not opt.state.get(p):
+                        step = torch.zeros((), dtype=torch.float32, device=on)
+                        opt.state[p] = {"step": step, "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
 
     def _optimizers(self) -> list[torch.optim.Optimizer]:
         opts = [self.actor.optimizer, self.critic.optimizer]
         return opts + ([self.ent_coef_optimizer] if self.ent_coef_optimizer is not None else [])
 
+    def _live(self) -> dict[str, torch.Tensor]:
+        """Every tensor the gradient step reads or writes, by buffer name, where SB3 holds it now."""
+        named = dict(self.policy.named_parameters())
+        if self.ent_coef_optimizer is not None:
+            named["log_ent_coef"] = self.log_ent_coef
+        live = {f"param.{k}": p for k, p in named.items()}
+        live |= {f"module_buffer.{k}": t for k, t in self.policy.named_buffers()}
+        if self.ent_coef_optimizer is None:
+            live["ent_coef"] = self.ent_coef_tensor
+        name_of = {id(p): k for k, p in named.items()}
+        for i, opt in enumerate(self._optimizers()):
+            for j, group in enumerate(opt.param_groups):
+                if isinstance(group["lr"], torch.Tensor):
+                    live[f"opt{i}.lr{j}"] = group["lr"]
+                for p in group["params"]:
+                    live |= {f"opt{i}.{s}.{name_of[id(p)]}": opt.state[p][s] for s in ADAM_STATE}
+        live |= {f"replay.{k}": t for k, t in self.replay_buffer._store.items()}
+        return live
+
+    def _bind(self) -> None:
+        """Point every tensor the step touches at its view in ``self._bufs``, copying in what SB3
+        put elsewhere since (a loaded model, optimizer state or replay buffer)."""
+        for name, t in self._live().items():
+            view = self._bufs[name]
+            if t.data_ptr() == view.data_ptr():
+                continue
+            if t.shape != view.shape or t.dtype != view.dtype:
+                raise ValueError(
+                    f"GraphSAC: {name} is {t.dtype} {tuple(t.shape)} but this model holds {view.dtype} "
+                    f"{tuple(view.shape)}; load files saved with the same buffer_size, env and network"
+                )
+            view.copy_(t.detach())
+            t.data = view
+
     def _excluded_save_params(self) -> list[str]:
-        return [*super()._excluded_save_params(), "_graphs", "_graph_buffer", "_stats"]
+        return [*super()._excluded_save_params(), "_bufs", "_graph"]
+
+    def save(self, *args: Any, **kwargs: Any) -> None:
+        """SB3's ``save``. While it pickles, every bound tensor points at a compact copy of its
+        view (a view would take the whole arena into the file)."""
+        live = self._live()
+        for t in live.values():
+            t.data = t.data.clone()
+        try:
+            super().save(*args, **kwargs)
+        finally:
+            for name, t in live.items():
+                t.data = self._bufs[name]
 
     def set_parameters(self, *args: Any, **kwargs: Any) -> None:
-        super().set_parameters(*args, **kwargs)  # loaded optimizer state has new tensors: recapture
-        for opt in self._optimizers():
-            _set_capturable(opt, self.device)
-        self._graphs = {}
+        super().set_parameters(*args, **kwargs)
+        self._prepare_optimizers()
+        self._bind()
 
     def load_replay_buffer(self, *args: Any, **kwargs: Any) -> None:
         super().load_replay_buffer(*args, **kwargs)
         self.replay_buffer.device = self.device  # unpickled on the CPU
+        self._bind()
 
     def _update_learning_rate(self, optimizers: list[torch.optim.Optimizer] | torch.optim.Optimizer) -> None:
         lr = self.lr_schedule(self._current_progress_remaining)
@@ -253,7 +331,7 @@ class GraphSAC(SAC):
                     group["lr"] = lr
 
     def _gradient_step(self, batch_size: int, update_target: bool) -> None:
-        """One SAC update, SB3's terms in SB3's order; adds its losses to ``self._stats``."""
+        """One SAC update, SB3's terms in SB3's order; adds its losses to the ``stats`` buffer."""
         data = self.replay_buffer.sample(batch_size, env=self._vec_normalize_env)
         actions_pi, log_prob = self.actor.action_log_prob(data.observations)
         log_prob = log_prob.reshape(-1, 1)
@@ -287,54 +365,51 @@ class GraphSAC(SAC):
                 torch._foreach_add_(target, list(self.critic.parameters()), alpha=self.tau)
             polyak_update(self.batch_norm_stats, self.batch_norm_stats_target, 1.0)
         losses = torch.stack([ent_coef.reshape(()), ent_coef_loss.detach(), critic_loss.detach(), actor_loss.detach()])
-        self._stats.add_(losses)
+        self._bufs["stats"].add_(losses)
 
-    def _graph(self, batch_size: int, update_target: bool) -> tuple[torch.cuda.CUDAGraph, int]:
-        """The captured step for this variant, and how many eager warm-up updates its capture ran."""
-        if self._graph_buffer is not self.replay_buffer:  # a loaded replay buffer has new storage
-            self._graphs, self._graph_buffer = {}, self.replay_buffer
-        key = (batch_size, update_target)
-        if key in self._graphs:
-            return self._graphs[key], 0
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(WARMUP_STEPS):
-                self._gradient_step(batch_size, update_target)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            self._gradient_step(batch_size, update_target)
-        self._graphs[key] = graph
-        return graph, WARMUP_STEPS
+    def capture(self, batch_size: int | None = None) -> None:
+        """Capture the gradient step at ``batch_size`` (default: the model's) now rather than at
+        the first ``train`` call; capturing leaves the model's state as it was."""
+        batch_size = self.batch_size if batch_size is None else batch_size
+        self._bind()
+        for update_target in (True, False):
+            key = (batch_size, update_target)
+            if key not in self._graph:
+                step = partial(self._gradient_step, batch_size, update_target)
+                self._graph.capture(key, _without_validation(step), warmup=WARMUP_STEPS)
 
     def train(self, gradient_steps: int, batch_size: int = 64) -> None:
         self.policy.set_training_mode(True)
+        self.capture(batch_size)
         self._update_learning_rate(self._optimizers())
-        self._stats.zero_()
-        capture = self.use_graphs and self.device.type == "cuda"
-        validate = Distribution._validate_args  # argument checks read tensors back to the host
-        Distribution.set_default_validate_args(False)
-        try:
-            done = 0
-            while done < gradient_steps:
-                update_target = (self._n_updates + done) % self.target_update_interval == 0
-                if capture:
-                    graph, warm = self._graph(batch_size, update_target)
-                    if warm:
-                        done += warm
-                        continue
-                    graph.replay()
-                else:
-                    self._gradient_step(batch_size, update_target)
-                done += 1
-        finally:
-            Distribution.set_default_validate_args(validate)
-        self._n_updates += done
-        ent_coef, ent_coef_loss, critic_loss, actor_loss = (self._stats / done).tolist()
+        self._bufs["stats"].zero_()
+        with _no_validation():
+            for i in range(gradient_steps):
+                self._graph.replay((batch_size, (self._n_updates + i) % self.target_update_interval == 0))
+        self._n_updates += gradient_steps
+        ent_coef, ent_coef_loss, critic_loss, actor_loss = (self._bufs["stats"] / gradient_steps).tolist()
         self.logger.record("train/n_updates", self._n_updates, exclude="tensorboard")
         self.logger.record("train/ent_coef", ent_coef)
         self.logger.record("train/actor_loss", actor_loss)
         self.logger.record("train/critic_loss", critic_loss)
         if self.ent_coef_optimizer is not None:
             self.logger.record("train/ent_coef_loss", ent_coef_loss)
+
+
+@contextmanager
+def _no_validation() -> Iterator[None]:
+    """Distribution argument checks off (they read tensors back to the host)."""
+    validate = Distribution._validate_args
+    Distribution.set_default_validate_args(False)
+    try:
+        yield
+    finally:
+        Distribution.set_default_validate_args(validate)
+
+
+def _without_validation(fn: Callable[[], None]) -> Callable[[], None]:
+    def run() -> None:
+        with _no_validation():
+            fn()
+
+    return run

@@ -89,5 +89,6 @@ class SB3VecEnv(VecEnv):
         return [False] * len(self._get_indices(indices))
 
     def get_images(self) -> Sequence[np.ndarray | None]:
-        frames = self.env.bufs["policy.image"][:, 0].cpu().numpy()
-        return list(frames)
+        """The env's own frames (build it with ``render_mode="rgb_array"``), one per slot."""
+        frames = self.env.render()
+        return [None] * self.num_envs if frames is None else list(frames)

@@ -1,16 +1,26 @@
-"""Training SB3 agents that steer the frozen VLA: the objects a Hydra config describes, and
-``train(cfg)``, the loop behind ``scripts/train.py`` (kept apart from ``@hydra.main`` so that
-tests and notebooks call it directly).
+"""Training agents that steer the frozen VLA: what a Hydra config describes, the evaluation
+protocol, the run folder, and ``train(cfg)``, the entry behind ``scripts/train.py`` (kept apart
+from ``@hydra.main`` so that tests and notebooks call it directly).
 
-Config values are read once, here, into plain objects; nothing in the training loop looks at
-the config again.
+Two learners share all of it: :class:`~flashrt_gym.fast_sac.FastSAC` (``agent=fast_sac``, the
+default: on the device, thousands of slots, see :mod:`flashrt_gym.fast_training`) and any
+stable-baselines3 algorithm (``agent=sac`` for :class:`~flashrt_gym.graph_sac.GraphSAC`,
+``agent=sac_sb3``, ``agent=ppo``), through :class:`~flashrt_gym.sb3.SB3VecEnv`.
+
+Evaluation follows :mod:`flashrt_gym.splits`: the steered policy and the unsteered base policy
+run one episode per slot from the same starts; hyper-parameters and checkpoints are chosen on
+``validation`` starts (every ``eval.every`` env steps) and results are reported on ``test``
+starts (at ``eval.test_at`` and at the end), which no choice sees. Config values are read once,
+here, into plain objects; nothing in a training loop looks at the config again.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -19,15 +29,31 @@ import torch
 from hydra.utils import get_class
 from omegaconf import DictConfig, OmegaConf
 from stable_baselines3.common.base_class import BaseAlgorithm
-from stable_baselines3.common.callbacks import BaseCallback
+from stable_baselines3.common.callbacks import BaseCallback, CheckpointCallback
 from stable_baselines3.common.off_policy_algorithm import OffPolicyAlgorithm
 from stable_baselines3.common.vec_env import VecMonitor
-from tqdm import tqdm
 
+from flashrt.runtime import atomic_write
+from flashrt_gym.devices import resolve_device
 from flashrt_gym.env import FlashRTVectorEnv
+from flashrt_gym.evaluation import run_episodes
+from flashrt_gym.fast_sac import FastSAC, FastSACConfig
 from flashrt_gym.sb3 import SB3VecEnv
+from flashrt_gym.splits import eval_seed, train_seed
 
-AGENT_KEYS = {"_target_", "policy", "utd", "kwargs"}
+SB3_AGENT_KEYS = {"_target_", "policy", "utd", "kwargs"}
+FAST_AGENT_KEYS = {"_target_", "kwargs"}
+
+AUTO = {  # key: (fast learner on a GPU, SB3 learner on a GPU, any learner on the CPU); used where a key is `auto`
+    "env.num_envs": (2048, 64, 16),
+    "total_steps": (10_000_000, 200_000, 3_000),
+    "time_limit_s": (540, None, None),
+    "eval.every": (500_000, 10_000, 1_000),
+    "eval.episodes": (512, 512, 32),
+    "eval.test_episodes": (1024, 1024, 32),
+    "agent.kwargs.batch_size": (4096, 256, 256),
+    "agent.kwargs.buffer_size": (1 << 20, 200_000, 1 << 14),
+}
 
 
 class ConfigError(ValueError):
@@ -39,77 +65,283 @@ def _require(cond: bool, key: str, msg: str) -> None:
         raise ConfigError(f"config key '{key}': {msg}")
 
 
-AUTO = {"total_steps": (200_000, 3_000), "eval.episodes": (256, 32)}  # (GPU, CPU-only) budgets
+def device_of(cfg: DictConfig) -> str:
+    """``runtime.device`` with ``auto`` resolved (:func:`flashrt_gym.devices.resolve_device`)."""
+    try:
+        return resolve_device(cfg.runtime.device).type
+    except ValueError as e:
+        raise ConfigError(f"config key 'runtime.device': {e}") from e
+
+
+def agent_class(cfg: DictConfig) -> type:
+    try:
+        return get_class(cfg.agent._target_)
+    except Exception as e:
+        raise ConfigError(f"config key 'agent._target_': cannot import {cfg.agent._target_!r} ({e})") from e
+
+
+def is_fast(cfg: DictConfig) -> bool:
+    """Whether ``cfg.agent`` is the device-resident learner (else an SB3 algorithm)."""
+    return issubclass(agent_class(cfg), FastSAC)
 
 
 def resolve_budget(cfg: DictConfig) -> None:
-    """Replace ``auto`` budgets by the GPU or the CPU-only default, in place."""
-    gpu = device_of(cfg) == "cuda"
-    for key, (on_gpu, on_cpu) in AUTO.items():
+    """Replace ``auto`` values of :data:`AUTO`'s keys by the default for this learner and device, in place."""
+    column = 2 if device_of(cfg) == "cpu" else (0 if is_fast(cfg) else 1)
+    for key, values in AUTO.items():
         if OmegaConf.select(cfg, key) == "auto":
-            OmegaConf.update(cfg, key, on_gpu if gpu else on_cpu)
+            OmegaConf.update(cfg, key, values[column])
 
 
 def check(cfg: DictConfig) -> None:
-    """Fail early, naming the key, on values that cannot work."""
+    """Fail early, naming the key, on values that cannot work (resolves the ``auto`` budgets)."""
     _require(cfg.runtime.device in ("auto", "cpu", "cuda"), "runtime.device", "must be auto, cpu or cuda")
+    cls = agent_class(cfg)
     resolve_budget(cfg)
-    for key in ("total_steps", "eval.episodes"):
-        _require(
-            isinstance(OmegaConf.select(cfg, key), int),
-            key,
-            f"must be an int or auto, got {OmegaConf.select(cfg, key)!r}",
-        )
-    _require(cfg.total_steps > 0, "total_steps", f"must be > 0, got {cfg.total_steps}")
-    _require(cfg.eval.every > 0, "eval.every", f"must be > 0, got {cfg.eval.every}")
-    _require(cfg.eval.episodes > 0, "eval.episodes", f"must be > 0, got {cfg.eval.episodes}")
-    _require(cfg.env.num_envs > 0, "env.num_envs", f"must be > 0, got {cfg.env.num_envs}")
-    extra = set(cfg.agent) - AGENT_KEYS
-    _require(not extra, "agent", f"unknown keys {sorted(extra)}; put algorithm arguments under agent.kwargs")
-    _require(cfg.agent.utd > 0, "agent.utd", f"must be > 0, got {cfg.agent.utd}")
-    try:
-        cls = get_class(cfg.agent._target_)
-    except Exception as e:
-        raise ConfigError(f"config key 'agent._target_': cannot import {cfg.agent._target_!r} ({e})") from e
-    _require(issubclass(cls, BaseAlgorithm), "agent._target_", f"{cfg.agent._target_} is not an SB3 algorithm")
-    if "." in cfg.agent.policy:
+    for key in ("env.num_envs", "total_steps", "eval.every", "eval.episodes", "eval.test_episodes"):
+        value = OmegaConf.select(cfg, key)
+        _require(isinstance(value, int) and value > 0, key, f"must be an int > 0 or auto, got {value!r}")
+    limit = cfg.time_limit_s
+    _require(limit is None or (isinstance(limit, (int, float)) and limit > 0), "time_limit_s", "must be > 0 or null")
+    _require(
+        cfg.eval.test_episodes % cfg.eval.episodes == 0,
+        "eval.test_episodes",
+        f"must be a multiple of eval.episodes ({cfg.eval.episodes}: the evaluation env's slots)",
+    )
+    _require(all(isinstance(s, int) and s > 0 for s in cfg.eval.test_at), "eval.test_at", "must list env steps > 0")
+    for split, key in (("validation", "eval.episodes"), ("test", "eval.test_episodes")):
         try:
-            get_class(cfg.agent.policy)
-        except Exception as e:
-            raise ConfigError(f"config key 'agent.policy': cannot import {cfg.agent.policy!r} ({e})") from e
+            eval_seed(split, OmegaConf.select(cfg, key))
+        except ValueError as e:
+            raise ConfigError(f"config key '{key}': {e}") from e
+    try:
+        train_seed(cfg.seed, cfg.env.num_envs)
+    except ValueError as e:
+        raise ConfigError(f"config key 'seed' / 'env.num_envs': {e}") from e
+    if issubclass(cls, FastSAC):
+        extra = set(cfg.agent) - FAST_AGENT_KEYS
+        _require(not extra, "agent", f"unknown keys {sorted(extra)}; FastSAC's arguments go under agent.kwargs")
+        names = {f.name for f in fields(FastSACConfig)}
+        unknown = set(cfg.agent.kwargs) - names
+        _require(not unknown, "agent.kwargs", f"unknown keys {sorted(unknown)}; FastSAC takes {sorted(names)}")
+        try:
+            FastSACConfig(**OmegaConf.to_container(cfg.agent.kwargs, resolve=True))
+        except ValueError as e:
+            raise ConfigError(f"config key 'agent.kwargs': {e}") from e
+        _require(cfg.env.obs_mode in ("state", "features"), "env.obs_mode", "FastSAC needs a flat observation")
+    else:
+        extra = set(cfg.agent) - SB3_AGENT_KEYS
+        _require(not extra, "agent", f"unknown keys {sorted(extra)}; put algorithm arguments under agent.kwargs")
+        _require(issubclass(cls, BaseAlgorithm), "agent._target_", f"{cfg.agent._target_} is not an SB3 algorithm")
+        _require(cfg.agent.utd > 0, "agent.utd", f"must be > 0, got {cfg.agent.utd}")
+        if "." in cfg.agent.policy:
+            try:
+                get_class(cfg.agent.policy)
+            except Exception as e:
+                raise ConfigError(f"config key 'agent.policy': cannot import {cfg.agent.policy!r} ({e})") from e
     if cfg.resume:
         _require(Path(cfg.resume).is_file(), "resume", f"no checkpoint file at {cfg.resume}")
 
 
-def device_of(cfg: DictConfig) -> str:
-    if cfg.runtime.device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if cfg.runtime.device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("config key 'runtime.device': cuda was asked for but no GPU is visible")
-    return cfg.runtime.device
-
-
 def make_env(
-    cfg: DictConfig, num_envs: int, *, autoreset: bool = True, action_mode: str | None = None
+    cfg: DictConfig,
+    num_envs: int,
+    *,
+    autoreset: bool = True,
+    action_mode: str | None = None,
+    device: str | None = None,
+    render_mode: str | None = None,
 ) -> FlashRTVectorEnv:
     """The env of ``cfg`` (``env``, ``task``, ``policy`` and ``runtime`` groups) with ``num_envs`` slots."""
     env_cfg = OmegaConf.to_container(cfg.env, resolve=True)
     env_cfg.pop("num_envs")
-    if not autoreset:  # evaluation: one episode per slot, so one pool start per slot is enough
-        env_cfg["pool_size"] = num_envs
     if action_mode is not None:
         env_cfg["action_mode"] = action_mode
     return FlashRTVectorEnv(
         num_envs,
         task=OmegaConf.to_container(cfg.task, resolve=True),
         weights=cfg.policy.weights,
-        device=device_of(cfg),
+        device=device or device_of(cfg),
         graphs=cfg.runtime.graphs,
         autoreset=autoreset,
+        render_mode=render_mode,
         **env_cfg,
     )
 
 
+# -- evaluation ---------------------------------------------------------------------------------
+@dataclass
+class EvalResult:
+    success: float
+    mean_return: float
+    episodes: int
+
+
+def evaluate(env: FlashRTVectorEnv, act: Callable[[np.ndarray], np.ndarray], split: str, episodes: int) -> EvalResult:
+    """``episodes`` episodes of ``split``'s starts, one per slot of ``env`` (built with
+    ``autoreset=False``; ``episodes`` a multiple of its slots), in batches of
+    :func:`flashrt_gym.evaluation.run_episodes`: success rate and mean return."""
+    n = env.num_envs
+    if episodes % n:
+        raise ValueError(f"episodes ({episodes}) must be a multiple of the evaluation env's slots ({n})")
+    first = eval_seed(split, episodes)
+    batches = [run_episodes(env, act, start) for start in range(first, first + episodes, n)]
+    return EvalResult(
+        sum(b.success for b in batches) / len(batches), sum(b.mean_return for b in batches) / len(batches), episodes
+    )
+
+
+def torch_policy(
+    act: Callable[[torch.Tensor], torch.Tensor], device: torch.device
+) -> Callable[[np.ndarray], np.ndarray]:
+    """A NumPy policy for :func:`evaluate` from one on device tensors."""
+    return lambda obs: act(torch.tensor(obs, device=device)).cpu().numpy()
+
+
+def evaluate_base(cfg: DictConfig, splits: dict[str, int], device: str | None = None) -> dict[str, EvalResult]:
+    """The unsteered VLA (its own per-slot noise, no correction) on each split's episodes."""
+    env = make_env(cfg, cfg.eval.episodes, autoreset=False, action_mode="residual", device=device)
+    zeros = np.zeros((env.num_envs, *env.single_action_space.shape), np.float32)
+    out = {split: evaluate(env, lambda _: zeros, split, episodes) for split, episodes in splits.items()}
+    env.close()
+    return out
+
+
+# -- the run folder -----------------------------------------------------------------------------
+class RunLog:
+    """One run's record on disk: ``curve.json`` (validation points, and test points marked as
+    such), tensorboard scalars under ``tb/``, and at the end ``curve.png`` and ``summary.json``.
+    A resumed run continues its curve."""
+
+    def __init__(self, cfg: DictConfig, out: Path, launch: float, base: dict[str, EvalResult]) -> None:
+        self.cfg, self.out, self.launch, self.base = cfg, out, launch, base
+        self.curve: list[dict[str, Any]] = []
+        if (out / "curve.json").is_file():
+            self.curve = json.loads((out / "curve.json").read_text())
+        self.tb = None
+        if cfg.logger.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(str(out / "tb"))
+
+    def scalars(self, env_steps: int, values: dict[str, float]) -> None:
+        if self.tb is not None:
+            for k, v in values.items():
+                self.tb.add_scalar(k, v, env_steps)
+
+    def point(self, env_steps: int, split: str, res: EvalResult, milestone: int | None = None) -> dict[str, Any]:
+        """Record one evaluation (``split`` is ``validation`` or ``test``; ``milestone``: the
+        ``eval.test_at`` entry that this point is the first evaluation past)."""
+        base = self.base[split]
+        p = {
+            "env_steps": int(env_steps),
+            "split": split,
+            "success": res.success,
+            "return": res.mean_return,
+            "base_success": base.success,
+            "base_return": base.mean_return,
+            "episodes": res.episodes,
+            "wall_s": time.time() - self.launch,
+        }
+        if milestone is not None:
+            p["milestone"] = int(milestone)
+        self.curve.append(p)
+        tag = "eval" if split == "validation" else "test"
+        self.scalars(env_steps, {f"{tag}/success": res.success, f"{tag}/return": res.mean_return})
+        text = json.dumps(self.curve, indent=1)
+        atomic_write(self.out / "curve.json", lambda f: f.write(text.encode()))
+        print(
+            f"[{env_steps} env steps, {p['wall_s']:.0f} s] {split} success {res.success:.1%} (base {base.success:.1%})"
+        )
+        return p
+
+    def finish(self, summary: dict[str, Any]) -> dict[str, Any]:
+        text = json.dumps(summary, indent=2)
+        atomic_write(self.out / "summary.json", lambda f: f.write(text.encode()))
+        plot_curve(self.curve, self.out / "curve.png", f"{summary['agent'].rsplit('.', 1)[-1]}, seed {summary['seed']}")
+        if self.tb is not None:
+            self.tb.close()
+        print(
+            f"base policy success {summary['base_success']:.1%} -> steered {summary['success']:.1%} on test starts "
+            f"after {summary['env_steps']} env steps ({summary['env_steps_per_s']:.0f} env steps/s)"
+        )
+        return summary
+
+
+def plot_curve(curve: list[dict[str, Any]], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    val = [p for p in curve if p["split"] == "validation"]
+    test = [p for p in curve if p["split"] == "test"]
+    ax.plot([p["env_steps"] for p in val], [p["success"] for p in val], marker="o", label="steered (validation)")
+    ax.plot([p["env_steps"] for p in val], [p["base_success"] for p in val], linestyle="--", label="base policy")
+    if test:
+        ax.plot([p["env_steps"] for p in test], [p["success"] for p in test], "k*", ms=10, label="steered (test)")
+    ax.set(xlabel="env steps (chunks)", ylabel="success rate", ylim=(0, 1), title=title)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def deadline(cfg: DictConfig, launch: float) -> float | None:
+    """When training stops at the latest (``time.time()``), or None."""
+    return None if cfg.time_limit_s is None else launch + cfg.time_limit_s
+
+
+def summarize(
+    cfg: DictConfig, log: RunLog, env_steps: int, train_s: float, steps_trained: int, **extra: Any
+) -> dict[str, Any]:
+    """The summary of a finished run: the last test point is the headline."""
+    test = [p for p in log.curve if p["split"] == "test"]
+    final = test[-1]
+    at = {str(p.get("milestone", p["env_steps"])): p["success"] for p in test}
+    val = [p for p in log.curve if p["split"] == "validation"]
+    return {
+        "agent": cfg.agent._target_,
+        "seed": cfg.seed,
+        "env_steps": int(env_steps),
+        "num_envs": cfg.env.num_envs,
+        "base_success": final["base_success"],
+        "success": final["success"],
+        "base_return": final["base_return"],
+        "return": final["return"],
+        "test_episodes": final["episodes"],
+        "test_success_at": at,
+        "validation_success": val[-1]["success"] if val else None,
+        "wall_s": time.time() - log.launch,
+        "train_seconds": train_s,
+        "env_steps_per_s": steps_trained / train_s if train_s > 0 else 0.0,  # training, validation included
+        "env_steps_per_s_from_launch": steps_trained / max(time.time() - log.launch, 1e-9),
+        "first_wall_s_validation_90": next((p["wall_s"] for p in val if p["success"] >= 0.9), None),
+        "device": device_of(cfg),
+        **extra,
+    }
+
+
+def train(cfg: DictConfig, out: str | Path = ".", launch: float | None = None) -> dict[str, Any]:
+    """Train ``cfg.agent`` on FlashRT-VLA; write ``config.yaml``, checkpoints, ``tb/``,
+    ``curve.json``, ``curve.png`` and ``summary.json`` under ``out``; print base vs steered
+    success on the test starts. ``launch``: the process's start (``time.time()``), from which
+    ``time_limit_s`` and every ``wall_s`` count. Returns the summary."""
+    launch = time.time() if launch is None else launch
+    check(cfg)  # also resolves the auto budgets
+    torch.set_float32_matmul_precision("high")  # the agent's float32 GEMMs on tensor cores (TF32)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    if is_fast(cfg):
+        from flashrt_gym.fast_training import train_fast
+
+        return train_fast(cfg, out, launch)
+    return train_sb3(cfg, out, launch)
+
+
+# -- the SB3 path -------------------------------------------------------------------------------
 def build_agent(cfg: DictConfig, venv: Any, tensorboard_log: str | None) -> BaseAlgorithm:
     """The SB3 algorithm of ``cfg.agent``: ``_target_`` class, ``policy``, ``kwargs``, and ``utd``
     (gradient updates per collected transition, for off-policy agents)."""
@@ -118,188 +350,79 @@ def build_agent(cfg: DictConfig, venv: Any, tensorboard_log: str | None) -> Base
     kwargs = OmegaConf.to_container(cfg.agent.kwargs, resolve=True)
     if issubclass(cls, OffPolicyAlgorithm):  # one vec step collects num_envs transitions
         kwargs["gradient_steps"] = max(1, round(cfg.agent.utd * venv.num_envs))
-    return cls(
-        policy,
-        venv,
-        seed=cfg.seed,
-        device=device_of(cfg),
-        tensorboard_log=tensorboard_log,
-        verbose=0,
-        **kwargs,
-    )
+    return cls(policy, venv, seed=cfg.seed, device=device_of(cfg), tensorboard_log=tensorboard_log, verbose=0, **kwargs)
 
 
-@dataclass
-class EvalResult:
-    success: float
-    mean_return: float
-    action_dim: int  # of the env evaluated (for callers that build actions)
+def sb3_replay_path(checkpoint: str | Path) -> Path:
+    """Where SB3 saved the replay buffer of ``checkpoint`` (``CheckpointCallback``'s naming, or
+    ``<stem>_replay_buffer.pkl`` beside ``last.zip``)."""
+    checkpoint = Path(checkpoint)
+    m = re.fullmatch(r"(.+)_(\d+)_steps", checkpoint.stem)
+    name = f"{m[1]}_replay_buffer_{m[2]}_steps.pkl" if m else f"{checkpoint.stem}_replay_buffer.pkl"
+    return checkpoint.with_name(name)
 
 
-def evaluate(env: FlashRTVectorEnv, act: Any, seed: int) -> EvalResult:
-    """One episode per slot of ``env`` (built with ``autoreset=False``) from seed ``seed``:
-    success rate and mean return. ``act(obs) -> actions``; finished slots stop counting."""
-    obs, _ = env.reset(seed=seed)
-    alive = np.ones(env.num_envs, dtype=bool)
-    ret = np.zeros(env.num_envs)
-    success = np.zeros(env.num_envs, dtype=bool)
-    while alive.any():
-        obs, reward, term, trunc, _ = env.step(act(obs))
-        ret += reward * alive
-        success |= term & alive
-        alive &= ~(term | trunc)
-    return EvalResult(float(success.mean()), float(ret.mean()), env.single_action_space.shape[0])
+class Evaluations(BaseCallback):
+    """What SB3's ``EvalCallback`` cannot do here: the same validation starts at every point,
+    one episode per slot of a batched env, the base policy's rate beside the steered one, and
+    test points at fixed env steps."""
 
-
-def evaluate_base(cfg: DictConfig) -> EvalResult:
-    """The unsteered VLA (its own per-slot noise, no correction) on the evaluation episodes."""
-    env = make_env(cfg, cfg.eval.episodes, autoreset=False, action_mode="residual")
-    zeros = np.zeros((env.num_envs, *env.single_action_space.shape), np.float32)
-    return evaluate(env, lambda _: zeros, cfg.eval.seed)
-
-
-class Progress(BaseCallback):
-    """A tqdm bar over env steps and the env-steps-per-second metric."""
-
-    def __init__(self, total: int) -> None:
+    def __init__(self, every: int, test_at: list[int], run: Callable[[int, str], None], deadline: float | None) -> None:
         super().__init__()
-        self.total = total
-
-    def _on_training_start(self) -> None:
-        self.bar = tqdm(total=self.total, initial=self.num_timesteps, desc="train", unit="step")
-        self.t0, self.n0 = time.perf_counter(), self.num_timesteps
-
-    def _on_step(self) -> bool:
-        self.bar.update(self.training_env.num_envs)
-        rate = (self.num_timesteps - self.n0) / max(1e-9, time.perf_counter() - self.t0)
-        self.logger.record("time/env_steps_per_s", rate)
-        return True
-
-    def _on_training_end(self) -> None:
-        self.bar.close()
-
-
-class EvalAndCheckpoint(BaseCallback):
-    """Every ``every`` env steps: evaluate the steered policy beside the base policy, log
-    ``eval/*``, append to the learning curve, save a checkpoint (SB3 zip, replay buffer)."""
-
-    def __init__(self, every: int, run: Run) -> None:
-        super().__init__()
-        self.every, self.run, self.next = every, run, every
+        self.every, self.test_at, self.run, self.deadline = every, sorted(test_at), run, deadline
 
     def _on_training_start(self) -> None:  # a resumed run keeps the same evaluation grid
         self.next = (self.num_timesteps // self.every + 1) * self.every
+        self.last = self.num_timesteps
 
     def _on_step(self) -> bool:
         if self.num_timesteps >= self.next:
             self.next += self.every
-            self.run.evaluate_and_save(self.model)
-        return True
+            self.run(self.num_timesteps, "validation", None)
+        for m in self.test_at:
+            if self.last < m <= self.num_timesteps:
+                self.run(self.num_timesteps, "test", m)
+        self.last = self.num_timesteps
+        return self.deadline is None or time.time() < self.deadline  # False stops learn()
 
 
-class Run:
-    """One training run's state on disk: checkpoints, the learning curve, the summary."""
-
-    def __init__(self, cfg: DictConfig, out: Path, eval_env: FlashRTVectorEnv, base: EvalResult) -> None:
-        self.cfg, self.out, self.eval_env, self.base = cfg, out, eval_env, base
-        self.curve: list[dict[str, float]] = []
-        curve = out / "curve.json"
-        if curve.is_file():  # a resumed run continues its curve
-            self.curve = json.loads(curve.read_text())
-        self.t0 = time.perf_counter()
-
-    def evaluate_and_save(self, model: BaseAlgorithm) -> EvalResult:
-        res = evaluate(self.eval_env, lambda o: model.predict(o, deterministic=True)[0], self.cfg.eval.seed)
-        point = {
-            "env_steps": model.num_timesteps,
-            "success": res.success,
-            "return": res.mean_return,
-            "base_success": self.base.success,
-            "base_return": self.base.mean_return,
-            "wall_s": time.perf_counter() - self.t0,
-        }
-        self.curve.append(point)
-        for k in ("success", "return", "base_success", "base_return"):
-            model.logger.record(f"eval/{k}", point[k])
-        model.logger.dump(model.num_timesteps)
-        ckpt = self.out / "checkpoints"
-        ckpt.mkdir(parents=True, exist_ok=True)
-        model.save(ckpt / "last.zip")
-        if hasattr(model, "replay_buffer") and model.replay_buffer is not None:
-            model.save_replay_buffer(ckpt / "last_replay_buffer.pkl")
-        (self.out / "curve.json").write_text(json.dumps(self.curve, indent=2))
-        tqdm.write(f"[{model.num_timesteps} env steps] success {res.success:.1%} (base {self.base.success:.1%})")
-        return res
-
-
-def plot_curve(curve: list[dict[str, float]], path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
-    x = [p["env_steps"] for p in curve]
-    ax.plot(x, [p["success"] for p in curve], marker="o", label="steered")
-    ax.plot(x, [p["base_success"] for p in curve], linestyle="--", label="base policy")
-    ax.set(xlabel="env steps (chunks)", ylabel="success rate", ylim=(0, 1), title=title)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-def train(cfg: DictConfig, out: str | Path = ".") -> dict[str, Any]:
-    """Train ``cfg.agent`` on FlashRT-VLA; write checkpoints, ``curve.json``, ``curve.png`` and
-    ``summary.json`` under ``out``; print base vs steered success. Returns the summary."""
-    check(cfg)  # also resolves the auto budgets
-    torch.set_float32_matmul_precision("high")  # the agent's float32 GEMMs on tensor cores (TF32)
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+def train_sb3(cfg: DictConfig, out: Path, launch: float) -> dict[str, Any]:
+    """The SB3 path: ``SB3VecEnv``, SB3's own loop, progress bar and checkpoint callback."""
     venv = VecMonitor(SB3VecEnv(make_env(cfg, cfg.env.num_envs)))
     eval_env = make_env(cfg, cfg.eval.episodes, autoreset=False)
-    base = evaluate_base(cfg)
+    base = evaluate_base(cfg, {"validation": cfg.eval.episodes, "test": cfg.eval.test_episodes})
     tb = str(out / "tb") if cfg.logger.tensorboard else None
     if cfg.resume:
         model = get_class(cfg.agent._target_).load(cfg.resume, env=venv, device=device_of(cfg))
-        buffer = Path(cfg.resume).with_name(Path(cfg.resume).stem + "_replay_buffer.pkl")
-        if buffer.is_file():
-            model.load_replay_buffer(buffer)
+        if cfg.resume_replay_buffer:  # a pickle: load only files from a trusted place
+            model.load_replay_buffer(sb3_replay_path(cfg.resume))
         model.tensorboard_log = tb
     else:
         model = build_agent(cfg, venv, tb)
-    run = Run(cfg, out, eval_env, base)
+    venv.seed(train_seed(cfg.seed, cfg.env.num_envs))  # this run's own episode starts (SB3 seeded it with cfg.seed)
+    log = RunLog(cfg, out, launch, base)
+
+    def run(env_steps: int, split: str, milestone: int | None = None) -> None:
+        act = lambda obs: model.predict(obs, deterministic=True)[0]  # noqa: E731
+        episodes = cfg.eval.episodes if split == "validation" else cfg.eval.test_episodes
+        log.point(env_steps, split, evaluate(eval_env, act, split, episodes), milestone)
+
+    ckpt = out / "checkpoints"
+    save_every = max(cfg.eval.every // cfg.env.num_envs, 1)
+    callbacks = [
+        CheckpointCallback(save_every, str(ckpt), name_prefix="sb3", save_replay_buffer=cfg.save_replay_buffer),
+        Evaluations(cfg.eval.every, list(cfg.eval.test_at), run, deadline(cfg, launch)),
+    ]
     start, remaining = model.num_timesteps, cfg.total_steps - model.num_timesteps
-    t0 = time.perf_counter()
+    t0 = time.time()
     if remaining > 0:
-        model.learn(
-            remaining,
-            callback=[Progress(cfg.total_steps), EvalAndCheckpoint(cfg.eval.every, run)],
-            reset_num_timesteps=not cfg.resume,
-            tb_log_name="run",
-        )
-    last = run.curve[-1] if run.curve else None
-    if last is not None and last["env_steps"] == model.num_timesteps:  # evaluated at the last step already
-        final = EvalResult(last["success"], last["return"], eval_env.single_action_space.shape[0])
-    else:
-        final = run.evaluate_and_save(model)
-    seconds = time.perf_counter() - t0
-    plot_curve(run.curve, out / "curve.png", f"{cfg.agent._target_.rsplit('.', 1)[-1]} steering, seed {cfg.seed}")
-    summary = {
-        "agent": cfg.agent._target_,
-        "seed": cfg.seed,
-        "env_steps": model.num_timesteps,
-        "base_success": base.success,
-        "success": final.success,
-        "base_return": base.mean_return,
-        "return": final.mean_return,
-        "train_seconds": seconds,
-        "env_steps_per_s": (model.num_timesteps - start) / seconds if seconds > 0 else 0.0,
-        "device": device_of(cfg),
-    }
-    (out / "summary.json").write_text(json.dumps(summary, indent=2))
-    print(
-        f"base policy success {base.success:.1%} -> steered {final.success:.1%} after {model.num_timesteps} env steps"
-    )
-    return summary
+        kw = {"reset_num_timesteps": not cfg.resume, "tb_log_name": "run", "progress_bar": True}
+        model.learn(remaining, callback=callbacks, **kw)
+    train_s = time.time() - t0
+    model.save(ckpt / "last.zip")
+    if cfg.save_replay_buffer and hasattr(model, "save_replay_buffer"):
+        model.save_replay_buffer(sb3_replay_path(ckpt / "last.zip"))
+    if not any(p["split"] == "validation" and p["env_steps"] == model.num_timesteps for p in log.curve):
+        run(model.num_timesteps, "validation")
+    run(model.num_timesteps, "test")
+    return log.finish(summarize(cfg, log, model.num_timesteps, train_s, model.num_timesteps - start))

@@ -2,16 +2,17 @@
 
 from flashrt.policies.config import PRESETS, PolicyConfig, pi0, tiny
 from flashrt.policies.model import FlowPolicy
-from flashrt.policies.pipeline import STAGES, PolicyPipeline, deployment_digest, policy_specs
+from flashrt.policies.pipeline import InstructionTable, PolicyPipeline, PolicyState, deployment_digest, policy_specs
 from flashrt.policies.tokenizer import WordTokenizer
 from flashrt.policies.weights import WeightsError, load, save, tokenizer_for
 
 __all__ = [
     "PRESETS",
-    "STAGES",
     "FlowPolicy",
+    "InstructionTable",
     "PolicyConfig",
     "PolicyPipeline",
+    "PolicyState",
     "WeightsError",
     "WordTokenizer",
     "deployment_digest",

@@ -1,14 +1,16 @@
 """The policy over static buffers: every live tensor of every slot is a named buffer.
 
 ``PolicyPipeline`` owns no memory of its own: it declares ``policy.*`` buffer specs (to be
-placed in a :class:`flashrt.runtime.BufferSet`, alone or together with a simulator's), then runs its
-stages over those buffers, each recordable as a :class:`flashrt.runtime.Graph` variant. Per slot:
+placed in a :class:`flashrt.runtime.BufferSet`, alone or together with a simulator's), holds a
+typed view of them (:class:`PolicyState`), and runs its stages over them. Each stage is a plain
+callable over the buffers, so whoever replays a step captures it (the env's engine captures the
+whole env step; tests and benchmarks capture stages with :class:`flashrt.runtime.Graph`). Per slot:
 
 ======================  ==========================================================  =========
 buffer                  shape                                                       written by
 ======================  ==========================================================  =========
-policy.text_ids/mask    (L,) int64 / bool                                           the owner
-policy.kv_text          (S, 2, g, L, d)      instruction keys/values (block A)      encode_instruction
+policy.text_ids/mask    (L,) int64 / bool                                           the owner / set_text
+policy.kv_text          (S, 2, g, L, d)      instruction keys/values (block A)      encode_instruction / set_text
 policy.kv_ring          (S, 2, g, R, d)      previous frames' keys/values           encode_observation
 policy.ring_valid       (n_obs - 1,) bool                                           encode_observation
 policy.kv_obs           (S, 2, g, T_B, d)    newest frame's keys/values (block B)   encode_observation
@@ -19,14 +21,16 @@ policy.noise/actions    (H, A) float32                                          
 policy.rng_key/counter  () int64             per-slot counter-based RNG
 ======================  ==========================================================  =========
 
-Transient intermediates of a stage come from its captured graph's private memory pool, which
-is allocated once at capture and reused by every replay.
+Block A attends only to itself, so an instruction's keys/values are a function of the
+instruction alone: :class:`InstructionTable` encodes a fixed set of instructions once, and a
+slot's instruction becomes a row copy from the table (``set_text``), inside a captured step too.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -34,9 +38,9 @@ from flashrt import kernels, runtime
 from flashrt.kernels import expert_layer
 from flashrt.kernels.rng import draw_normal_
 from flashrt.policies.model import FlowPolicy, Prefix
-from flashrt.runtime import BufferSet, BufferSpec, Graph, slot
-
-STAGES = ("encode_instruction", "encode_observation", "draw_noise", "denoise")
+from flashrt.policies.weights import tokenizer_for
+from flashrt.runtime import BufferSet, BufferSpec, slot
+from flashrt.runtime.views import bind_views
 
 
 def policy_specs(model: FlowPolicy) -> list[BufferSpec]:
@@ -66,6 +70,27 @@ def policy_specs(model: FlowPolicy) -> list[BufferSpec]:
     return specs
 
 
+@dataclass(frozen=True)
+class PolicyState:
+    """Typed views of the ``policy.*`` buffers (see the module's table)."""
+
+    text_ids: torch.Tensor
+    text_mask: torch.Tensor
+    kv_text: torch.Tensor
+    kv_obs: torch.Tensor
+    obs_valid: torch.Tensor
+    frame: torch.Tensor
+    image: torch.Tensor
+    proprio: torch.Tensor
+    features: torch.Tensor
+    noise: torch.Tensor
+    actions: torch.Tensor
+    rng_key: torch.Tensor
+    rng_counter: torch.Tensor
+    kv_ring: torch.Tensor | None = None
+    ring_valid: torch.Tensor | None = None
+
+
 def deployment_digest(model: FlowPolicy, weights_id: str) -> str:
     """Hash of what makes outputs comparable: config, weights, dtype, runtime and kernel versions,
     and which kernel implementation (Triton or the torch references) runs on the model's device."""
@@ -76,93 +101,145 @@ def deployment_digest(model: FlowPolicy, weights_id: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+class InstructionTable:
+    """The keys/values of a fixed list of instructions, encoded once: ``ids``/``mask`` (n, L)
+    and ``kv`` (n, S, 2, g, L, d) on the model's device. Row i belongs to ``texts[i]``."""
+
+    def __init__(self, model: FlowPolicy, texts: Sequence[str]) -> None:
+        if not texts:
+            raise ValueError("an instruction table needs at least one instruction")
+        device = next(model.parameters()).device
+        ids, mask = tokenizer_for(model.cfg).encode(list(texts))
+        self.texts = tuple(texts)
+        self.ids, self.mask = ids.to(device), mask.to(device)
+        with torch.no_grad():
+            self.kv = model.encode_text(self.ids, self.mask)
+
+    def __len__(self) -> int:
+        return len(self.texts)
+
+
 class PolicyPipeline:
     """Runs a :class:`FlowPolicy` over the ``policy.*`` buffers of ``bufs``.
 
     Args:
         model: the weights (on the buffers' device; evaluation only).
         bufs: a set holding :func:`policy_specs` (possibly among other buffers).
-        backend: graph backend for :meth:`capture` (``"auto"``: CUDA graphs on a GPU).
     """
 
-    def __init__(self, model: FlowPolicy, bufs: BufferSet, *, backend: runtime.graphs.Backend = "auto") -> None:
+    def __init__(self, model: FlowPolicy, bufs: BufferSet) -> None:
         missing = [s.name for s in policy_specs(model) if s.name not in bufs]
         if missing:
             raise ValueError(f"the buffer set lacks policy buffers {missing}; build it with policy_specs(model)")
         self.model = model.eval().requires_grad_(False)
         self.cfg = model.cfg
         self.bufs = bufs
-        self.graphs = {name: Graph(f"policy.{name}", backend=backend).bind(bufs) for name in STAGES}
+        self.state = bind_views(PolicyState, bufs, "policy")
 
     def __getitem__(self, name: str) -> torch.Tensor:
         return self.bufs[f"policy.{name}"]
+
+    def validate(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Raise ``ValueError`` naming the buffer if ``policy.*`` tensors (a capsule's, before it is
+        restored) hold values the policy cannot run from: token ids outside the vocabulary,
+        flags other than 0/1, a negative frame count, NaN or infinity."""
+        vocab = self.model.text_embed.num_embeddings
+        for name, t in state.items():
+            if not t.numel():
+                continue
+            if name == "policy.text_ids" and (int(t.min()) < 0 or int(t.max()) >= vocab):
+                raise ValueError(f"{name} holds token ids outside [0, {vocab})")
+            if name == "policy.frame" and int(t.min()) < 0:
+                raise ValueError(f"{name} holds negative frame counts")
+            if t.dtype == torch.bool and int(t.view(torch.uint8).max()) > 1:
+                raise ValueError(f"{name} holds bytes other than 0 and 1")
+            if t.is_floating_point() and not torch.isfinite(t).all():
+                raise ValueError(f"{name} holds NaN or infinity")
 
     # -- stages (plain callables over the buffers; capturable) ---------------------------------
     @torch.no_grad()
     def encode_instruction(self) -> None:
         """Instruction keys/values of every slot from ``text_ids``/``text_mask``."""
-        self["kv_text"].copy_(self.model.encode_text(self["text_ids"], self["text_mask"]))
+        s = self.state
+        s.kv_text.copy_(self.model.encode_text(s.text_ids, s.text_mask))
+
+    def set_text(self, table: InstructionTable, index: torch.Tensor, mask: torch.Tensor | None = None) -> None:
+        """Give each slot (where ``mask``, all if None) the instruction ``table`` row ``index``
+        (slots,) int64: its token ids, mask and keys/values, copied from the table (capturable)."""
+        s = self.state
+        for dst, src in ((s.text_ids, table.ids), (s.text_mask, table.mask), (s.kv_text, table.kv)):
+            rows = src[index]
+            if mask is not None:
+                rows = torch.where(mask.view(-1, *[1] * (rows.dim() - 1)), rows, dst)
+            dst.copy_(rows)
 
     def begin_episode(self, mask: torch.Tensor | None = None) -> None:
         """Forget the frame history of the slots in ``mask`` (all if None)."""
-        m = torch.ones_like(self["obs_valid"]) if mask is None else mask
-        self["obs_valid"].masked_fill_(m, False)
-        self["frame"].masked_fill_(m, 0)
-        if self.cfg.n_obs_steps > 1:
-            self["ring_valid"].masked_fill_(m[:, None], False)
+        s = self.state
+        m = torch.ones_like(s.obs_valid) if mask is None else mask
+        s.obs_valid.masked_fill_(m, False)
+        s.frame.masked_fill_(m, 0)
+        if s.ring_valid is not None:
+            s.ring_valid.masked_fill_(m[:, None], False)
 
     def _context(self, newest: bool) -> Prefix:
         """The prefix segments, in place: instruction, ring (if any), and with ``newest`` the
         newest frame."""
-        c = self.cfg
-        segments = [(self["kv_text"], self["text_mask"])]
-        if c.n_obs_steps > 1:
-            ring_mask = self["ring_valid"][:, :, None].expand(-1, -1, c.frame_tokens)  # one flag per ring frame
-            segments.append((self["kv_ring"], ring_mask.reshape(self.bufs.num_slots, c.ring_tokens)))
+        c, s = self.cfg, self.state
+        segments = [(s.kv_text, s.text_mask)]
+        if s.kv_ring is not None:
+            ring_mask = s.ring_valid[:, :, None].expand(-1, -1, c.frame_tokens)  # one flag per ring frame
+            segments.append((s.kv_ring, ring_mask.reshape(self.bufs.num_slots, c.ring_tokens)))
         if newest:
-            segments.append((self["kv_obs"], self["obs_valid"][:, None].expand(-1, c.frame_tokens)))
+            segments.append((s.kv_obs, s.obs_valid[:, None].expand(-1, c.frame_tokens)))
+        return segments
+
+    def _context_of_next(self) -> Prefix:
+        """What the next frame attends to, read in place without moving the ring: the instruction,
+        the ring's frames but its oldest, and the newest frame (what the ring will hold then)."""
+        c, s = self.cfg, self.state
+        segments = [(s.kv_text, s.text_mask)]
+        if c.n_obs_steps > 1:
+            t, n = c.frame_tokens, self.bufs.num_slots
+            if c.n_obs_steps > 2:
+                kept = s.ring_valid[:, 1:, None].expand(-1, -1, t).reshape(n, (c.n_obs_steps - 2) * t)
+                segments.append((s.kv_ring[..., t:, :], kept))
+            segments.append((s.kv_obs, s.obs_valid[:, None].expand(-1, t)))
         return segments
 
     @torch.no_grad()
     def encode_observation(self) -> None:
         """Move the newest frame into the ring, then encode ``image``/``proprio`` as block B
         (its keys/values written straight into ``kv_obs``)."""
-        c = self.cfg
-        if c.n_obs_steps > 1:
-            t, ring, valid = c.frame_tokens, self["kv_ring"], self["ring_valid"]
+        c, s = self.cfg, self.state
+        if s.kv_ring is not None:
+            t, ring, valid = c.frame_tokens, s.kv_ring, s.ring_valid
             if c.n_obs_steps > 2:  # shift the ring one frame older (through a temporary: the ranges overlap)
                 ring[..., :-t, :].copy_(ring[..., t:, :].clone())
                 valid[:, :-1].copy_(valid[:, 1:].clone())
-            ring[..., -t:, :].copy_(self["kv_obs"])
-            valid[:, -1].copy_(self["obs_valid"])
-        _, feats = self.model.encode_frame(
-            self["image"], self["proprio"], self["frame"], self._context(newest=False), kv_out=self["kv_obs"]
-        )
-        self["features"].copy_(feats)
-        self["obs_valid"].fill_(True)
-        self["frame"].add_(1)
+            ring[..., -t:, :].copy_(s.kv_obs)
+            valid[:, -1].copy_(s.obs_valid)
+        _, feats = self.model.encode_frame(s.image, s.proprio, s.frame, self._context(newest=False), kv_out=s.kv_obs)
+        s.features.copy_(feats)
+        s.obs_valid.fill_(True)
+        s.frame.add_(1)
+
+    @torch.no_grad()
+    def features_of_next(self, image: torch.Tensor, proprio: torch.Tensor, out: torch.Tensor) -> None:
+        """Pooled features (slots, D) of the frame ``image``/``proprio`` as :meth:`encode_observation`
+        would compute them next, written into ``out``; no buffer of the policy changes (the
+        terminal observation of an episode that is reset in the same step)."""
+        _, feats = self.model.encode_frame(image, proprio, self.state.frame, self._context_of_next())
+        out.copy_(feats)
 
     def draw_noise(self) -> None:
         """Base-policy noise from each slot's RNG (reproducible, part of every capsule)."""
-        draw_normal_(self["noise"].flatten(1), self["rng_key"], self["rng_counter"])
+        s = self.state
+        draw_normal_(s.noise.flatten(1), s.rng_key, s.rng_counter)
 
     @torch.no_grad()
     def denoise(self) -> None:
         """``actions`` from ``noise`` over the current prefix (10 Euler steps, unrolled), read in
         place from the instruction, ring and newest-frame buffers by every step."""
-        self["actions"].copy_(self.model.sample(self["noise"], self._context(newest=True), self["frame"] - 1))
-
-    # -- graphs --------------------------------------------------------------------------------
-    def stage(self, name: str) -> Callable[[], None]:
-        if name not in STAGES:
-            raise ValueError(f"unknown stage {name!r}; stages are {STAGES}")
-        return getattr(self, name)
-
-    def capture(self, *names: str) -> None:
-        """Record the named stages (all if none) as graph variants keyed by ``num_slots``."""
-        for name in names or STAGES:
-            self.graphs[name].capture(self.bufs.num_slots, self.stage(name))
-
-    def run(self, name: str) -> None:
-        """Replay a captured stage (raises if it was never captured)."""
-        self.graphs[name].replay(self.bufs.num_slots)
+        s = self.state
+        s.actions.copy_(self.model.sample(s.noise, self._context(newest=True), s.frame - 1))

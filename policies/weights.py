@@ -12,7 +12,8 @@ import os
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
+from safetensors.torch import save as save_bytes
 
 from flashrt.policies.config import PolicyConfig
 from flashrt.policies.model import FlowPolicy
@@ -38,9 +39,9 @@ def save(model: FlowPolicy, folder: str | os.PathLike, *, dtype: torch.dtype = t
         k: v.detach().to("cpu", dtype if v.is_floating_point() else v.dtype).contiguous()
         for k, v in model.state_dict().items()
     }
-    atomic_write(folder / WEIGHTS, lambda p: save_file(tensors, p, metadata={"format": "flashrt-policy/1"}))
-    atomic_write(folder / CONFIG, lambda p: Path(p).write_text(model.cfg.to_json()))
-    atomic_write(folder / TOKENIZER, lambda p: Path(p).write_text(tokenizer_for(model.cfg).to_json()))
+    atomic_write(folder / WEIGHTS, lambda f: f.write(save_bytes(tensors, metadata={"format": "flashrt-policy/1"})))
+    atomic_write(folder / CONFIG, lambda f: f.write(model.cfg.to_json().encode()))
+    atomic_write(folder / TOKENIZER, lambda f: f.write(tokenizer_for(model.cfg).to_json().encode()))
     return folder
 
 

@@ -1,10 +1,13 @@
-"""Aggregate a multirun folder of scripts/train.py into a table and a plot (mean ± std over seeds).
+"""Aggregate a folder of scripts/train.py runs across seeds: IQM and 95 % bootstrap intervals
+(rliable), a table, curves and a JSON.
 
     python scripts/aggregate.py multirun/2026-11-30/12-00-00
 
 Groups runs by their folder name without its seed (``...,seed=0`` from a sweep, ``..._seed0``
-from scripts/headline.sh); writes ``summary.md`` and ``curves.png``
-into the folder and prints the table.
+from scripts/headline.sh). The headline is each run's final success on the *test* starts
+(``summary.json``); the curves are the validation points. Writes ``summary.md``,
+``aggregate.json`` and ``curves.png`` into the folder and prints the table. A run stopped before
+its end (no ``summary.json``) is counted as unfinished and left out of the test figures.
 """
 
 from __future__ import annotations
@@ -16,50 +19,78 @@ from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
+from rliable import library as rly
+from rliable import metrics
+
+REPS = 10_000  # bootstrap resamples for the table; the curves' points take CURVE_REPS
+CURVE_REPS = 1_000
 
 
 def load_runs(folder: Path) -> dict[str, list[dict]]:
-    """Runs by group name. A run stopped before its end (no summary.json) counts with its last
-    evaluation, marked unfinished."""
+    """Runs by group name: each ``{"curve": [...], "summary": {...} or None}``."""
     groups: dict[str, list[dict]] = defaultdict(list)
     for curve_file in sorted(folder.rglob("curve.json")):
         run = curve_file.parent
         curve = json.loads(curve_file.read_text())
-        if not curve:
-            continue
         name = re.sub(r"(^|[,_-])seed=?\d+", "", run.name).strip(",_-") or "default"
-        if (run / "summary.json").is_file():
-            summary = json.loads((run / "summary.json").read_text())
-        else:
-            last = curve[-1]
-            summary = {**last, "env_steps_per_s": last["env_steps"] / max(last["wall_s"], 1e-9), "unfinished": True}
-        groups[name].append({"summary": summary, "curve": curve})
+        summary = json.loads((run / "summary.json").read_text()) if (run / "summary.json").is_file() else None
+        groups[name].append({"curve": curve, "summary": summary})
     if not groups:
-        raise SystemExit(f"no runs (curve.json) under {folder}; is it a `train.py -m` folder?")
+        raise SystemExit(f"no runs (curve.json) under {folder}; is it a `train.py -m` or headline folder?")
     return groups
 
 
-def table(groups: dict[str, list[dict]]) -> str:
-    rows = [
-        "| runs | seeds | base success | steered success | env steps | env steps/s | unfinished |",
-        "|---|---|---|---|---|---|---|",
-    ]
+def iqm_ci(scores: list[float], reps: int = REPS) -> dict[str, float]:
+    """Interquartile mean over runs with its 95 % stratified-bootstrap interval, and the mean."""
+    x = np.asarray(scores, dtype=float)[:, None]  # (runs, tasks=1)
+    point, interval = rly.get_interval_estimates(
+        {"s": x}, lambda s: np.array([metrics.aggregate_iqm(s)]), reps=reps, confidence_interval_size=0.95
+    )
+    return {"iqm": float(point["s"][0]), "lo": float(interval["s"][0, 0]), "hi": float(interval["s"][1, 0])}
+
+
+def aggregate(groups: dict[str, list[dict]]) -> dict[str, dict]:
+    out = {}
     for name, runs in sorted(groups.items()):
-        s = [r["summary"] for r in runs]
+        done = [r["summary"] for r in runs if r["summary"] is not None]
+        g: dict = {"runs": len(runs), "finished": len(done), "seeds": [s["seed"] for s in done]}
+        if done:
+            g["test_success"] = iqm_ci([s["success"] for s in done]) | {"per_seed": [s["success"] for s in done]}
+            g["base_success"] = float(np.mean([s["base_success"] for s in done]))
+            at = [s.get("test_success_at", {}).get("200000") for s in done]
+            if all(v is not None for v in at):
+                g["test_success_at_200000"] = iqm_ci(at)
+            for key in ("env_steps", "env_steps_per_s", "wall_s"):
+                g[key] = float(np.mean([s[key] for s in done]))
+            g["env_steps_per_s_summed"] = float(np.sum([s["env_steps_per_s"] for s in done]))  # runs sharing a GPU
+            g["wall_s_to_validation_90"] = [s.get("first_wall_s_validation_90") for s in done]
+        out[name] = g
+    return out
 
-        def ms(key: str, pct: bool = False, s=s) -> str:
-            v = np.array([x[key] for x in s], dtype=float) * (100 if pct else 1)
-            return f"{v.mean():.1f} ± {v.std():.1f}" + (" %" if pct else "")
 
+def table(agg: dict[str, dict]) -> str:
+    def pct(d: dict | None) -> str:
+        return "—" if d is None else f"{100 * d['iqm']:.1f} % [{100 * d['lo']:.1f}, {100 * d['hi']:.1f}]"
+
+    rows = [
+        "| runs | seeds | base (test) | steered (test), IQM [95 % CI] | at 200 000 steps | env steps | "
+        "wall | env steps/s | unfinished |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, g in agg.items():
+        if not g["finished"]:
+            rows.append(f"| {name} | 0 | — | — | — | — | — | — | {g['runs']} |")
+            continue
         rows.append(
-            f"| {name} | {len(s)} | {ms('base_success', True)} | {ms('success', True)} | "
-            f"{int(np.mean([x['env_steps'] for x in s]))} | {ms('env_steps_per_s')} | "
-            f"{sum(bool(x.get('unfinished')) for x in s)} |"
+            f"| {name} | {g['finished']} | {100 * g['base_success']:.1f} % | {pct(g['test_success'])} | "
+            f"{pct(g.get('test_success_at_200000'))} | {g['env_steps']:.0f} | {g['wall_s'] / 60:.1f} min | "
+            f"{g['env_steps_per_s']:.0f} | {g['runs'] - g['finished']} |"
         )
     return "\n".join(rows)
 
 
 def plot(groups: dict[str, list[dict]], path: Path) -> None:
+    """Validation success against env steps: IQM over seeds with its 95 % interval."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -67,12 +98,15 @@ def plot(groups: dict[str, list[dict]], path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for name, runs in sorted(groups.items()):
-        n = min(len(r["curve"]) for r in runs)
-        x = np.array([p["env_steps"] for p in runs[0]["curve"][:n]])
-        y = np.array([[p["success"] for p in r["curve"][:n]] for r in runs])
-        ax.plot(x, y.mean(0), label=f"{name} (n={len(runs)})")
-        ax.fill_between(x, y.mean(0) - y.std(0), y.mean(0) + y.std(0), alpha=0.2)
-    ax.set(xlabel="env steps (chunks)", ylabel="success rate", ylim=(0, 1))
+        curves = [[p for p in r["curve"] if p.get("split", "validation") == "validation"] for r in runs]
+        n = min(len(c) for c in curves)
+        if n == 0:
+            continue
+        x = np.array([p["env_steps"] for p in curves[0][:n]])
+        y = [iqm_ci([c[i]["success"] for c in curves], CURVE_REPS) for i in range(n)]
+        ax.plot(x, [v["iqm"] for v in y], label=f"{name} (n={len(runs)})")
+        ax.fill_between(x, [v["lo"] for v in y], [v["hi"] for v in y], alpha=0.2)
+    ax.set(xlabel="env steps (chunks)", ylabel="validation success (IQM, 95 % CI)", ylim=(0, 1))
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -84,8 +118,10 @@ def main() -> None:
     ap.add_argument("folder", type=Path)
     args = ap.parse_args()
     groups = load_runs(args.folder)
-    text = table(groups)
+    agg = aggregate(groups)
+    text = table(agg)
     (args.folder / "summary.md").write_text(text + "\n")
+    (args.folder / "aggregate.json").write_text(json.dumps(agg, indent=2))
     plot(groups, args.folder / "curves.png")
     print(text)
 

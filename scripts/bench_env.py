@@ -1,201 +1,241 @@
-"""FlashRT-VLA env throughput, reset latency and fork time, each beside a baseline of the same run.
+"""FlashRT-VLA env throughput as a training loop gets it, reset latency, fork time and memory,
+each beside a baseline measured the same way in the same run.
 
-- steps (action chunks) per second against num_envs: the captured step graph with the fused
-  kernels, the same graph with every kernel's torch reference (the "before"), the env stepped
-  eagerly, and ``gymnasium.vector.SyncVectorEnv`` of single envs; the step program alone
-  (graph replay) beside the same program under ``torch.compile(mode="reduce-overhead")``; and
-  the kernel count of one step (kernels vs references), and where one replay's time goes
-  (each kernel's marginal time);
-- reset latency: a capsule reset (restore pre-encoded starts) beside the cold path (simulator
-  init + render + instruction prefill + encode) as the instruction context grows (random
-  weights with ``max_text_len`` tokens, of the tiny shape and with pi0's wide language prefix
-  and action expert, where the prefill's cost shows);
+- sustained steps: at each ``num_envs``, ``--steps`` consecutive steps (after ``--warmup``) with
+  random actions in the box, so episodes end by success and by time limit and slots autoreset
+  at their natural times, through the public calls: ``step_torch`` (device tensors; the step is
+  timed on the GPU between consecutive steps, and the whole run by the wall clock) and the
+  Gymnasium ``step()`` (NumPy in and out, synchronous, wall clock per call). Reported: the
+  sustained mean (the run's wall time over its steps), p50, p99 and max per step, and the
+  steady-state rate by the median beside it. Baselines: the same graph with every kernel's
+  torch reference, the env stepped eagerly, and ``gymnasium.vector.SyncVectorEnv`` of single
+  envs, all with autoresets;
+- the step program alone (``Engine.replay``), its kernel count, and where a replay's time goes;
+- memory by part: live slot state, step scratch, kept seeded starts, the captured graph's pool,
+  the weights, and the peak;
+- reset latency: ``reset(seed=s)`` again (the kept starts restored) beside a new seed (the cold
+  start: simulator draw, instruction from the table, first encode);
 - fork of one slot into N slots beside a device copy of the same bytes.
 
-    python scripts/bench_env.py --out bench_env.json
+    python scripts/bench_env.py --out docs/bench/bench_env_<commit>.json
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import json
-import os
-import tempfile
+import statistics
 import time
 from pathlib import Path
 
 import gymnasium as gym
 import numpy as np
 import torch
-from benchlib import count_kernels, graph_kernels, provenance, top_kernels, wall_ms
+from benchlib import count_kernels, graph_kernels, provenance, wall_ms
 
 from flashrt import kernels, runtime
-from flashrt.policies import FlowPolicy, PolicyConfig, pi0, save, tiny
 from flashrt_gym import FlashRTEnv, FlashRTVectorEnv
-from flashrt_gym.engine import Engine
-from flashrt_gym.tasks import TabletopConfig
 
 
-def bench_steps(
-    sizes: list[int], eager_sizes: list[int], ref_sizes: list[int], sync_envs: int, reps: int
-) -> list[dict]:
-    rows = []
-    for n in sizes:
-        row: dict = {"num_envs": n}
-        variants = [("graph", True, False), ("reference_graph", True, True), ("eager", False, False)]
-        for name, graphs, reference in variants:
-            if (name == "eager" and n not in eager_sizes) or (reference and n not in ref_sizes):
-                continue
-            with kernels.reference_only() if reference else contextlib.nullcontext():
-                env = FlashRTVectorEnv(n, device="cuda", graphs=graphs, pool_size=max(4 * n, 16))
-                env.reset(seed=0)
-                a = torch.zeros(n, env.single_action_space.shape[0], device="cuda")
-                env.step_torch(a)  # captures the step graph (with this kernel selection)
-            row[f"{name}_ms"] = wall_ms(lambda env=env, a=a: env.step_torch(a), reps)
-            row[f"{name}_steps_per_s"] = n / row[f"{name}_ms"] * 1e3
-            if graphs and not reference:
-                row["program_graph_ms"] = wall_ms(lambda env=env: env._graph.replay(env._key), reps)
-                row["graph_top_kernels"] = graph_kernels(lambda env=env: env._graph.replay(env._key))
-            del env
-            torch.cuda.empty_cache()
-        rows.append(row)
-        print("steps", json.dumps(row), flush=True)
-    sync = gym.vector.SyncVectorEnv([lambda: FlashRTEnv(device="cuda", pool_size=16) for _ in range(sync_envs)])
-    sync.reset(seed=0)
-    zeros = np.zeros((sync_envs, 16), np.float32)
-    ms = wall_ms(lambda: sync.step(zeros), max(3, reps // 4))
-    rows.append({"num_envs": sync_envs, "sync_vector_env_ms": ms, "sync_steps_per_s": sync_envs / ms * 1e3})
-    return rows
+def stats(times_ms: list[float], wall_s: float, n: int) -> dict:
+    """Sustained and steady-state figures of one run of consecutive steps."""
+    times = sorted(times_ms)
+    p50 = statistics.median(times)
+    return {
+        "steps": len(times),
+        "mean_ms": wall_s * 1e3 / len(times),
+        "p50_ms": p50,
+        "p99_ms": times[min(len(times) - 1, round(0.99 * (len(times) - 1)))],
+        "max_ms": times[-1],
+        "sustained_chunks_per_s": n * len(times) / wall_s,
+        "steady_chunks_per_s": n / p50 * 1e3,
+    }
 
 
-def bench_nodes_and_compile(n: int, reps: int, do_compile: bool) -> dict:
-    """Kernel count of one env step program (kernels vs references), and the program under
-    ``torch.compile(mode="reduce-overhead")`` (references: Inductor does its own fusion)."""
-    env = FlashRTVectorEnv(n, device="cuda", graphs=False, pool_size=16)
-    env.reset(seed=0)
-    env.bufs["env.action"].zero_()
-    row: dict = {"num_envs": n, "kernels_nodes": count_kernels(env._program), "top_kernels": top_kernels(env._program)}
-    with kernels.reference_only():
-        row["reference_nodes"] = count_kernels(env._program)
-        if do_compile:
-            fn = torch.compile(env._program, mode="reduce-overhead")
-            t = time.perf_counter()
-            try:
-                for _ in range(3):
-                    fn()
-                torch.cuda.synchronize()
-                row["compile_s"] = time.perf_counter() - t
-                row["compile_program_ms"] = wall_ms(fn, reps)
-            except Exception as e:  # a failed compile is a result too: record it, keep the other rows
-                row["compile_error"] = f"{type(e).__name__}: {str(e)[:300]}"
-            torch._dynamo.reset()
-    print("nodes", json.dumps(row), flush=True)
+def run_torch(env: FlashRTVectorEnv, acts: list[torch.Tensor]) -> tuple[list[float], float, int]:
+    """Per-step GPU time between consecutive steps, the run's wall time, and the slots reset."""
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(len(acts) + 1)]
+    resets = []
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    events[0].record()
+    for i, a in enumerate(acts):
+        _, _, _, _, info = env.step_torch(a)
+        resets.append(info["_final_obs"].sum())
+        events[i + 1].record()
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - t
+    times = [events[i].elapsed_time(events[i + 1]) for i in range(len(acts))]
+    return times, wall, int(torch.stack(resets).sum())
+
+
+def run_numpy(env: FlashRTVectorEnv, acts: list[np.ndarray]) -> tuple[list[float], float, int]:
+    times, resets = [], 0
+    t0 = time.perf_counter()
+    for a in acts:
+        t = time.perf_counter()
+        *_, info = env.step(a)
+        times.append((time.perf_counter() - t) * 1e3)
+        resets += int(info["_final_obs"].sum()) if info else 0
+    return times, time.perf_counter() - t0, resets
+
+
+def memory(env: FlashRTVectorEnv, before: int, graph_pool: int) -> dict:
+    b = env.engine.bufs
+    weights = sum(p.numel() * p.element_size() for p in env.engine.policy.model.parameters())
+    return {
+        "live_state_MB": b.state_nbytes / 2**20,
+        "scratch_MB": b.scratch_arena.numel() / 2**20,
+        "start_cache_MB": env.starts.nbytes / 2**20,
+        "start_cache_budget_MB": env.starts.budget_bytes / 2**20,
+        "graph_pool_MB": graph_pool / 2**20,
+        "weights_MB": weights / 2**20,
+        "allocated_MB": (torch.cuda.memory_allocated() - before) / 2**20,
+        "peak_MB": (torch.cuda.max_memory_allocated() - before) / 2**20,
+    }
+
+
+def bench_size(n: int, steps: int, warmup: int, reference: bool, eager: bool) -> dict:
+    row: dict = {"num_envs": n}
+    g = torch.Generator(device="cuda").manual_seed(n)
+    rng = np.random.default_rng(n)
+    variants = [("graph", True, False)] + [("reference", True, True)] * reference + [("eager", False, False)] * eager
+    for name, graphs, ref in variants:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        with kernels.reference_only() if ref else contextlib.nullcontext():
+            env = FlashRTVectorEnv(n, device="cuda", graphs=graphs)
+            env.reset(seed=0)
+            pre_capture = torch.cuda.memory_allocated()
+            dev = [torch.rand(n, 16, device="cuda", generator=g) * 2 - 1 for _ in range(warmup + steps)]
+            host = [rng.uniform(-1, 1, (n, 16)).astype(np.float32) for _ in range(warmup + steps)]
+            k = steps if name == "graph" else max(60, steps // 4)  # baselines: fewer steps, the same way
+            run_torch(env, dev[:warmup])  # captures the step (with this kernel selection)
+            graph_pool = torch.cuda.memory_allocated() - pre_capture - sum(a.nbytes for a in dev) - 0
+            times, wall, resets = run_torch(env, dev[warmup : warmup + k])
+            row[f"{name}_step_torch"] = {**stats(times, wall, n), "slots_reset": resets}
+            if name == "graph":
+                run_numpy(env, host[:warmup])
+                times, wall, resets = run_numpy(env, host[warmup : warmup + k])
+                row["graph_step_numpy"] = {**stats(times, wall, n), "slots_reset": resets}
+                row["memory"] = memory(env, before, max(0, graph_pool))
+                row["program_ms"] = wall_ms(env.engine.replay, 20)
+                row["program_kernels"] = graph_kernels(env.engine.replay)
+        del env, dev, host
+        print(name, n, json.dumps({k: v for k, v in row.items() if k.startswith(name)}), flush=True)
     return row
 
 
-WIDE_FIELDS = ("width", "depth", "heads", "kv_heads", "head_dim", "mlp", "expert_width", "expert_mlp")
+def bench_sync(num_envs: int, steps: int) -> dict:
+    sync = gym.vector.SyncVectorEnv([lambda: FlashRTEnv(device="cuda") for _ in range(num_envs)])
+    sync.reset(seed=0)
+    rng = np.random.default_rng(0)
+    acts = [rng.uniform(-1, 1, (num_envs, 16)).astype(np.float32) for _ in range(steps + 3)]
+    for a in acts[:3]:
+        sync.step(a)
+    times, t0 = [], time.perf_counter()
+    for a in acts[3:]:
+        t = time.perf_counter()
+        sync.step(a)
+        times.append((time.perf_counter() - t) * 1e3)
+    return {"num_envs": num_envs, **stats(times, time.perf_counter() - t0, num_envs)}
 
 
-def reset_config(shape: str, length: int) -> PolicyConfig:
-    """``tiny`` (the shipped policy's shape), or ``wide``: tiny's vision tower and task with pi0's
-    Gemma-2B-shaped language prefix and Gemma-300M-shaped action expert; ``length`` instruction tokens."""
-    vocab = TabletopConfig().vocabulary
-    cfg = tiny(vocab)
-    if shape == "wide":
-        cfg = dataclasses.replace(cfg, **{f: getattr(pi0(vocab), f) for f in WIDE_FIELDS})
-    return dataclasses.replace(cfg, max_text_len=length)
-
-
-def bench_reset(shapes: list[str], lengths: list[int], reps: int) -> list[dict]:
-    rows = []
-    for shape in shapes:
-        for length in lengths:
-            with tempfile.TemporaryDirectory() as tmp:
-                torch.manual_seed(0)
-                with torch.device("cuda"):
-                    model = FlowPolicy(reset_config(shape, length))
-                save(model, tmp, dtype=torch.bfloat16)
-                del model
-                os.sync()  # the wide weights are GBs: their writeback must not compete with the timed calls
-                env = FlashRTVectorEnv(1, device="cuda", weights=tmp, pool_size=16)
-                env.reset(seed=0)  # builds and caches the start pool
-                capsule = wall_ms(lambda env=env: env.reset(seed=0), reps)
-                cold_engine = Engine(env.task, env.engine.model, "bench", 1)
-                cold = wall_ms(lambda e=cold_engine: e.start([0]), reps)
-            rows.append(
-                {
-                    "shape": shape,
-                    "context_tokens": length,
-                    "capsule_reset_ms": capsule,
-                    "cold_reset_ms": cold,
-                    "speedup": cold / capsule,
-                }
-            )
-            print("reset", json.dumps(rows[-1]), flush=True)
-            del env, cold_engine
-            torch.cuda.empty_cache()
-    return rows
+def bench_reset(reps: int) -> dict:
+    env = FlashRTVectorEnv(1, device="cuda")
+    env.reset(seed=0)
+    kept = wall_ms(lambda: env.reset(seed=0), reps)
+    seeds = iter(range(1, 10 * reps))
+    cold = wall_ms(lambda: env.reset(seed=next(seeds)), reps)
+    return {"num_envs": 1, "kept_start_reset_ms": kept, "cold_reset_ms": cold, "speedup": cold / kept}
 
 
 def bench_fork(counts: list[int], reps: int) -> list[dict]:
     n = max(counts) + 1
-    env = FlashRTVectorEnv(n, device="cuda", pool_size=n)
+    env = FlashRTVectorEnv(n, device="cuda")
     env.reset(seed=0)
-    row_bytes = env.bufs.row_bytes
+    row_bytes = env.engine.bufs.row_bytes
     rows = []
     for k in counts:
         src = torch.empty(k * row_bytes, dtype=torch.uint8, device="cuda")
         dst = torch.empty_like(src)
         dst_slots = list(range(1, k + 1))
-        fork = wall_ms(lambda d=dst_slots: runtime.fork(env.bufs, 0, d), reps)
+        fork = wall_ms(lambda d=dst_slots: runtime.fork(env.engine.bufs, 0, d), reps)
         floor = wall_ms(lambda s=src, d=dst: d.copy_(s), reps)
         rows.append({"n": k, "bytes": k * row_bytes, "fork_ms": fork, "copy_floor_ms": floor, "ratio": fork / floor})
-        print("fork", json.dumps(rows[-1]), flush=True)
     return rows
+
+
+def targets(rows: list[dict]) -> list[dict]:
+    """The sustained-throughput targets, checked on this run's figures."""
+    out = []
+    for r in rows:
+        t, np_ = r["graph_step_torch"], r["graph_step_numpy"]
+        out.append(
+            {
+                "num_envs": r["num_envs"],
+                "sustained_over_steady": t["sustained_chunks_per_s"] / t["steady_chunks_per_s"],
+                "p99_over_p50": t["p99_ms"] / t["p50_ms"],
+                "max_over_p50": t["max_ms"] / t["p50_ms"],
+                "numpy_over_torch": np_["mean_ms"] / t["mean_ms"],
+            }
+        )
+    return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=Path("bench_env.json"))
     ap.add_argument("--sizes", type=int, nargs="+", default=[1, 16, 256, 1024, 4096])
-    ap.add_argument("--eager-sizes", type=int, nargs="*", default=[1, 256])
+    ap.add_argument("--steps", type=int, default=240, help="timed consecutive steps (6 episode lengths)")
+    ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--reference-sizes", type=int, nargs="*", default=[1, 256, 4096])
-    ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline (minutes)")
+    ap.add_argument("--eager-sizes", type=int, nargs="*", default=[1, 256])
     ap.add_argument("--sync-envs", type=int, default=8)
-    ap.add_argument("--contexts", type=int, nargs="+", default=[16, 128, 512, 2048])
-    ap.add_argument("--reset-shapes", nargs="+", choices=["tiny", "wide"], default=["tiny", "wide"])
     ap.add_argument("--forks", type=int, nargs="+", default=[1, 16, 256, 1024])
     ap.add_argument("--reps", type=int, default=20)
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_env.py measures the GPU env: run it on a machine with a CUDA GPU")
-    result = {
-        **provenance(),
-        "steps": bench_steps(args.sizes, args.eager_sizes, args.reference_sizes, args.sync_envs, args.reps),
-        "reset": bench_reset(args.reset_shapes, args.contexts, args.reps),
-        "fork": bench_fork(args.forks, args.reps),
-    }
-    args.out.write_text(json.dumps(result, indent=2))  # written before the (slow) compile baseline too
-    result["nodes"] = bench_nodes_and_compile(1, args.reps, not args.no_compile)
+    result: dict = {**provenance(), "args": vars(args) | {"out": str(args.out)}}
+    result["steps"] = [
+        bench_size(n, args.steps, args.warmup, n in args.reference_sizes, n in args.eager_sizes) for n in args.sizes
+    ]
+    result["targets"] = targets(result["steps"])
     args.out.write_text(json.dumps(result, indent=2))
-    print(f"\n{result['gpu']} | torch {result['torch']} | commit {result['commit']}  (median ms, wall, synchronous)")
+    result["sync_vector_env"] = bench_sync(args.sync_envs, 60)
+    result["reset"] = bench_reset(args.reps)
+    result["fork"] = bench_fork(args.forks, args.reps)
+    env = FlashRTVectorEnv(1, device="cuda", graphs=False)
+    env.reset(seed=0)
+    result["kernels_per_step"] = count_kernels(env.engine.program)
+    with kernels.reference_only():
+        ref = FlashRTVectorEnv(1, device="cuda", graphs=False)
+        ref.reset(seed=0)
+        result["reference_kernels_per_step"] = count_kernels(ref.engine.program)
+    args.out.write_text(json.dumps(result, indent=2))
+    print(f"\n{result['gpu']} | torch {result['torch']} | commit {result['commit']}")
+    print("num_envs | call | sustained chunks/s | steady (p50) | mean / p50 / p99 / max ms | slots reset")
     for r in result["steps"]:
-        print(
-            "  steps", {k: round(v, 3) if isinstance(v, float) else v for k, v in r.items() if k != "graph_top_kernels"}
-        )
-        if "graph_top_kernels" in r:
-            top = r["graph_top_kernels"]["top"][:4]
-            print(
-                "    in the graph (us marginal, calls):",
-                [(k["kernel"][:40], k["marginal_us"], k["calls"]) for k in top],
-            )
-    print("  nodes", {k: round(v, 3) if isinstance(v, float) else v for k, v in result["nodes"].items()})
-    for r in result["reset"]:
-        print("  reset", {k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()})
-    for r in result["fork"]:
-        print("  fork ", {k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()})
+        for key, v in r.items():
+            if key.endswith(("_step_torch", "_step_numpy")):
+                print(
+                    f"{r['num_envs']:>8} | {key:<20} | {v['sustained_chunks_per_s']:>12,.0f} | "
+                    f"{v['steady_chunks_per_s']:>12,.0f} | {v['mean_ms']:.3f} / {v['p50_ms']:.3f} / "
+                    f"{v['p99_ms']:.3f} / {v['max_ms']:.3f} | {v['slots_reset']}"
+                )
+        print(f"         memory MB: {json.dumps({k: round(v, 1) for k, v in r['memory'].items()})}")
+    print("targets:", json.dumps(result["targets"]))
+    print("sync:", json.dumps(result["sync_vector_env"]))
+    print(
+        "reset:",
+        json.dumps(result["reset"]),
+        "| kernels",
+        result["kernels_per_step"],
+        result["reference_kernels_per_step"],
+    )
 
 
 if __name__ == "__main__":

@@ -13,16 +13,12 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from flashrt_gym.demos import collect, save_shard
-from flashrt_gym.tasks import Tabletop, TabletopConfig
-
-
-def resolve_device(name: str) -> str:
-    return ("cuda" if torch.cuda.is_available() else "cpu") if name == "auto" else name
+from flashrt_gym.devices import resolve_device
+from flashrt_gym.tasks import TabletopConfig
 
 
 def run(cfg: DictConfig) -> list[Path]:
     task_cfg = TabletopConfig(**OmegaConf.to_container(cfg.task, resolve=True))
-    task = Tabletop(task_cfg)
     out = Path(cfg.out)
     written, pending, shard_no = [], [], 0
     bar = tqdm(total=cfg.num_episodes, desc="demos", unit="ep")
@@ -37,7 +33,7 @@ def run(cfg: DictConfig) -> list[Path]:
 
     kept = 0
     for batch in collect(
-        task,
+        task_cfg,
         cfg.num_episodes,
         num_slots=cfg.num_slots,
         noise_std=cfg.noise_std,

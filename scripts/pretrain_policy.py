@@ -11,7 +11,6 @@ step graph the env uses). Writes ``<out>/step-<N>/`` weight folders and ``<out>/
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import json
 import math
@@ -26,32 +25,34 @@ from tqdm import tqdm
 
 from flashrt.policies import PRESETS, FlowPolicy, save, tokenizer_for
 from flashrt_gym.demos import Windows, load_shards
-from flashrt_gym.engine import Engine
+from flashrt_gym.devices import resolve_device
+from flashrt_gym.env import FlashRTVectorEnv
+from flashrt_gym.evaluation import VALIDATION_SEED, base_policy
 from flashrt_gym.tasks import Tabletop, TabletopConfig
 
-EVAL_SEED = 1_000_000  # evaluation episodes never share seeds with demonstrations
 
-
-def evaluate(model: FlowPolicy, task_cfg: TabletopConfig, cfg: DictConfig, weights_id: str) -> dict[str, float]:
-    """Success rate of the unsteered policy on both instruction splits."""
-    dtype = torch.bfloat16 if next(model.parameters()).is_cuda else torch.float32
-    frozen = copy.deepcopy(model).to(dtype)
+def evaluate(folder: Path, task_cfg: TabletopConfig, cfg: DictConfig, device: str) -> dict[str, float]:
+    """Success rate of the unsteered policy saved in ``folder`` on both instruction splits, from
+    the validation starts (checkpoints are chosen on these, never on the test starts)."""
     out = {}
     for split in ("train", "heldout"):
-        engine = Engine(
-            Tabletop(dataclasses.replace(task_cfg, split=split)),
-            frozen,
-            weights_id,
+        env = FlashRTVectorEnv(
             cfg.eval_episodes,
+            action_mode="residual",
+            autoreset=False,
+            task=dataclasses.replace(task_cfg, split=split),
+            weights=folder,
+            device=device,
             n_action_steps=cfg.n_action_steps,
             max_episode_steps=cfg.max_episode_steps,
         )
-        out[split] = engine.success_rate(torch.arange(cfg.eval_episodes) + EVAL_SEED)
+        out[split] = base_policy(env, VALIDATION_SEED).success
+        env.close()
     return out
 
 
 def run(cfg: DictConfig) -> dict:
-    device = ("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device
+    device = str(resolve_device(cfg.device))
     torch.manual_seed(cfg.seed)
     data, task_cfg = load_shards(cfg.demos)
     model = FlowPolicy(PRESETS[cfg.preset](task_cfg.vocabulary)).to(device)
@@ -99,7 +100,7 @@ def run(cfg: DictConfig) -> dict:
             bar.set_postfix(loss=f"{loss.item():.4f}")
         if step % cfg.eval_every == 0 or step == cfg.steps:
             folder = save(model, out / f"step-{step}", dtype=torch.bfloat16)
-            rates = evaluate(model, task_cfg, cfg, f"step-{step}")
+            rates = evaluate(folder, task_cfg, cfg, device)
             evals.append({"step": step, "weights": str(folder), **{f"success_{k}": v for k, v in rates.items()}})
             for k, v in rates.items():
                 writer.add_scalar(f"eval/success_{k}", v, step)

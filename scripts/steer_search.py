@@ -6,9 +6,10 @@ learning: every episode runs in a group of K slots that share one boundary; each
 slots try K noise chunks (the first is zero noise, the policy's mode; the others are drawn
 from N(0, I)), run ``lookahead`` steps (zero noise after the first), and the group continues
 from its best slot (success first, then summed dense reward) by ``fork``: a byte copy of that
-slot's whole state into the other K-1 slots. Beside it, in the same run and on the same
-starts, fixed noise laws: N(0, I) (the base policy), zero (its mode), the corners of the action
-box (what a saturated tanh actor emits), and N(0, c^2 I) for each ``--scales`` c.
+slot's whole state into the other K-1 slots. Beside it, in the same run and on the same starts
+(the test starts, which no choice was made on), fixed noise laws: N(0, I) (the base policy),
+zero (its mode), the corners of the action box (what a saturated tanh actor emits), and
+N(0, c^2 I) for each ``--scales`` c.
 
     python scripts/steer_search.py --episodes 64 --candidates 8 --lookahead 1
 """
@@ -25,17 +26,17 @@ import numpy as np
 import torch
 
 from flashrt_gym import FlashRTVectorEnv
-
-EVAL_SEED = 1_000_000  # the evaluation starts of scripts/train.py
+from flashrt_gym.devices import resolve_device
+from flashrt_gym.evaluation import TEST_SEED
 
 
 def rollout(env: FlashRTVectorEnv, draw: Callable[[int, int], torch.Tensor]) -> np.ndarray:
     """Success of one episode per slot, the noise of every step drawn by ``draw(n, dim)``."""
-    env.reset(seed=EVAL_SEED)
+    env.reset(seed=TEST_SEED)
     n, dim = env.num_envs, env.single_action_space.shape[0]
     success, alive = np.zeros(n, bool), np.ones(n, bool)
     while alive.any():
-        _, _, term, trunc, _ = env.step((draw(n, dim) / env.noise_bound).clamp(-1, 1).numpy())
+        _, _, term, trunc, _ = env.step((draw(n, dim) / env.step_config.noise_bound).clamp(-1, 1).numpy())
         success |= term & alive
         alive &= ~(term | trunc)
     return success
@@ -46,7 +47,7 @@ def search(env: FlashRTVectorEnv, k: int, lookahead: int, gen: torch.Generator) 
     each group and the env steps it took (all slots)."""
     n, dim = env.num_envs, env.single_action_space.shape[0]
     groups = n // k
-    env.reset(seed=EVAL_SEED)  # slot j starts at EVAL_SEED + j: group g takes slot g's start
+    env.reset(seed=TEST_SEED)  # slot j starts at TEST_SEED + j: group g takes slot g's start
     for g in reversed(range(groups)):  # targets lie at or above slot g: no later source is overwritten
         env.fork(g, range(g * k, (g + 1) * k))
     success, done = np.zeros(groups, bool), np.zeros(groups, bool)
@@ -58,7 +59,7 @@ def search(env: FlashRTVectorEnv, k: int, lookahead: int, gen: torch.Generator) 
         hit, ended = np.zeros(n, bool), np.zeros(n, bool)
         for h in range(lookahead):
             a = z if h == 0 else torch.zeros(n, dim)
-            _, reward, term, trunc, _ = env.step((a / env.noise_bound).clamp(-1, 1).numpy())
+            _, reward, term, trunc, _ = env.step((a / env.step_config.noise_bound).clamp(-1, 1).numpy())
             steps += n
             score += reward * ~ended
             hit |= term & ~ended
@@ -78,7 +79,7 @@ def main() -> None:
     ap.add_argument("--episodes", type=int, default=64)
     ap.add_argument("--candidates", type=int, default=8, help="noise chunks tried per step (K)")
     ap.add_argument("--lookahead", type=int, default=1, help="steps run before choosing (zero noise after the first)")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--device", default="auto")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--scales", type=float, nargs="*", default=[], help="also run N(0, c^2 I) noise for these c")
     ap.add_argument("--out", type=Path, default=Path("steer_search.json"))
@@ -86,10 +87,11 @@ def main() -> None:
     if args.candidates < 2 or args.lookahead < 1 or args.episodes < 1:
         raise SystemExit("need --candidates >= 2, --lookahead >= 1 and --episodes >= 1")
     gen = torch.Generator().manual_seed(args.seed)
+    args.device = str(resolve_device(args.device))
     kw = {"device": args.device, "autoreset": False, "reward_mode": "dense"}
     t = time.perf_counter()
-    base = FlashRTVectorEnv(args.episodes, pool_size=args.episodes, **kw)
-    bound = base.noise_bound
+    base = FlashRTVectorEnv(args.episodes, **kw)
+    bound = base.step_config.noise_bound
     baselines: dict[str, Callable[[int, int], torch.Tensor]] = {
         "base_success": lambda n, d: torch.randn(n, d, generator=gen),  # the VLA's own noise law
         "zero_noise_success": lambda n, d: torch.zeros(n, d),  # its mode
@@ -101,7 +103,7 @@ def main() -> None:
     result["device"] = args.device
     result.update({name: float(rollout(base, draw).mean()) for name, draw in baselines.items()})
     del base
-    env = FlashRTVectorEnv(args.episodes * args.candidates, pool_size=args.episodes * args.candidates, **kw)
+    env = FlashRTVectorEnv(args.episodes * args.candidates, **kw)
     success, steps = search(env, args.candidates, args.lookahead, gen)
     result.update(search_success=float(success.mean()), search_env_steps=steps, seconds=time.perf_counter() - t)
     args.out.write_text(json.dumps(result, indent=2))

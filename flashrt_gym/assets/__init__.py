@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from flashrt.policies import FlowPolicy, load
+from flashrt_gym.devices import policy_dtype
 
 TINY = Path(__file__).parent / "tiny"
 
@@ -19,6 +20,4 @@ def load_pretrained(device: torch.device | str = "cpu", dtype: torch.dtype | Non
     """The shipped ``tiny`` policy on ``device`` (bf16 on CUDA, fp32 on the CPU by default),
     and its weights id (the SHA-256 of the weights file)."""
     device = torch.device(device)
-    if dtype is None:
-        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    return load(TINY, device=device, dtype=dtype)
+    return load(TINY, device=device, dtype=dtype or policy_dtype(device))

@@ -3,10 +3,11 @@
 Every slot is one table in ``[-1, 1]^2`` (x right, y up): an end-effector disk under velocity
 control, ``K`` objects of distinct colours and shapes, and four goal regions (left, right, top,
 bottom) that look alike, so only the instruction ("push the red square to the left goal")
-says which object and which goal count. All state lives in a :class:`flashrt.runtime.BufferSet`
-(buffers named ``sim.*``); ``reset`` / ``step`` / ``render`` are fixed-shape tensor programs with
-fixed iteration counts and no host synchronisation, so they run on the CPU and inside a
-captured CUDA graph alike.
+says which object and which goal count. All state lives in ``sim.*`` slot buffers of the env's
+:class:`flashrt.runtime.BufferSet` (:class:`TabletopState`); ``reset`` / ``run_ticks`` /
+``render`` are fixed-shape tensor programs with fixed iteration counts and no host
+synchronisation, so they run on the CPU and inside a captured CUDA graph alike: the tabletop is
+an in-graph :class:`flashrt_gym.simulator.Simulator`.
 
 Physics per tick: ``substeps`` moves of the end-effector, each followed by ``contact_iters``
 rounds of position projection (end-effector pushes objects, objects push each other, walls
@@ -21,218 +22,174 @@ success, then 0 (DSRL's convention). A slot that has succeeded is frozen and ear
 
 from __future__ import annotations
 
-import itertools
-from dataclasses import dataclass, field
-from typing import Literal
+from collections.abc import Mapping
+from dataclasses import dataclass
 
 import torch
 
 from flashrt.kernels import use_triton
 from flashrt.kernels.rng import uniform
 from flashrt.runtime import BufferSet, BufferSpec, slot
-from flashrt_gym.tasks.tabletop_kernels import render_triton, ticks_triton
-
-COLORS: dict[str, tuple[int, int, int]] = {
-    "red": (215, 45, 45),
-    "green": (45, 165, 65),
-    "blue": (45, 85, 215),
-    "yellow": (225, 190, 30),
-    "purple": (140, 60, 185),
-    "orange": (235, 120, 25),
-}
-SHAPES = ("square", "circle", "triangle", "diamond")
-GOALS: dict[str, tuple[float, float]] = {
-    "left": (-0.72, 0.0),
-    "right": (0.72, 0.0),
-    "top": (0.0, 0.72),
-    "bottom": (0.0, -0.72),
-}
-BACKGROUND = (128, 128, 128)
-GOAL_COLOR = (170, 185, 170)
-EE_COLOR = (30, 30, 30)
-TEMPLATE = "push the {object} to the {goal} goal"
-
-Split = Literal["train", "heldout", "all"]
+from flashrt.runtime.views import bind_views
+from flashrt_gym.tasks.tabletop_config import (
+    BACKGROUND,
+    COLORS,
+    EE_COLOR,
+    GOAL_COLOR,
+    GOALS,
+    SHAPES,
+    TabletopConfig,
+)
+from flashrt_gym.tasks.tabletop_kernels import Scene, render_triton, ticks_triton
 
 
 @dataclass(frozen=True)
-class TabletopConfig:
-    """The task's parameters (all static: they shape the buffers and the captured graph).
+class TabletopState:
+    """Typed views of the tabletop's ``sim.*`` slot buffers (each ``(slots, ...)``)."""
 
-    Args:
-        objects: ``"colour shape"`` names, distinct colours and shapes (colours from
-            :data:`COLORS`, shapes from :data:`SHAPES`).
-        goals: goal names from :data:`GOALS`.
-        split: which (object, goal) instructions episodes draw from: ``"train"``, the
-            ``"heldout"`` combinations kept for generalisation tests, or ``"all"``.
-        image_size: side of the square RGB render.
-        substeps, contact_iters: fixed iteration counts of the physics.
-        ee_radius, obj_radius, goal_radius: sizes in table units (the table is 2 wide).
-        max_speed: end-effector displacement per tick at ``|action| = 1``.
-        friction: fraction of an object's displacement kept as velocity per substep.
-        spawn: objects and end-effector start in ``[-spawn, spawn]^2``.
-    """
-
-    objects: tuple[str, ...] = ("red square", "green circle", "blue triangle")
-    goals: tuple[str, ...] = ("left", "right", "top", "bottom")
-    split: Split = "train"
-    image_size: int = 64
-    substeps: int = 2
-    contact_iters: int = 3
-    ee_radius: float = 0.08
-    obj_radius: float = 0.12
-    goal_radius: float = 0.24
-    max_speed: float = 0.06
-    friction: float = 0.3
-    spawn: float = 0.4
-    heldout: tuple[tuple[int, int], ...] = field(init=False)
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "objects", tuple(self.objects))
-        object.__setattr__(self, "goals", tuple(self.goals))
-        if not self.objects:
-            raise ValueError("the task needs at least one object, e.g. objects=('red square',)")
-        parsed = []
-        for name in self.objects:
-            parts = str(name).split()
-            if len(parts) != 2 or parts[0] not in COLORS or parts[1] not in SHAPES:
-                raise ValueError(
-                    f"object {name!r} must be 'colour shape', a colour in {list(COLORS)}, a shape in {list(SHAPES)}"
-                )
-            parsed.append(parts)
-        for i, what in ((0, "colour"), (1, "shape")):
-            seen = [p[i] for p in parsed]
-            if len(set(seen)) != len(seen):
-                raise ValueError(f"objects must have distinct {what}s, got {list(self.objects)}")
-        if not self.goals or any(g not in GOALS for g in self.goals) or len(set(self.goals)) != len(self.goals):
-            raise ValueError(f"goals must be distinct names from {list(GOALS)}, got {list(self.goals)}")
-        if self.split not in ("train", "heldout", "all"):
-            raise ValueError(f"split must be 'train', 'heldout' or 'all', got {self.split!r}")
-        if self.image_size < 16:
-            raise ValueError(f"image_size must be >= 16, got {self.image_size}")
-        for name in ("substeps", "contact_iters"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("ee_radius", "obj_radius", "goal_radius", "max_speed", "spawn"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        if not 0 <= self.friction < 1:
-            raise ValueError(f"friction must be in [0, 1), got {self.friction}")
-        # Held out: every (object, goal) with (object + goal) % 4 == 3, so that each object and
-        # each goal still appears in training (with one object, nothing is held out).
-        combos = itertools.product(range(len(self.objects)), range(len(self.goals)))
-        held = tuple(c for c in combos if (c[0] + c[1]) % 4 == 3 and len(self.objects) > 1)
-        object.__setattr__(self, "heldout", held)
-
-    def combos(self, split: Split | None = None) -> list[tuple[int, int]]:
-        """(object, goal) index pairs of a split (default: this config's split)."""
-        split = split or self.split
-        every = list(itertools.product(range(len(self.objects)), range(len(self.goals))))
-        if split == "all":
-            return every
-        if split == "heldout":
-            if not self.heldout:
-                raise ValueError("this configuration holds no instructions out (it needs two or more objects)")
-            return list(self.heldout)
-        return [c for c in every if c not in self.heldout]
-
-    def instruction(self, obj: int, goal: int) -> str:
-        return TEMPLATE.format(object=self.objects[obj], goal=self.goals[goal])
-
-    @property
-    def vocabulary(self) -> list[str]:
-        """Every word an instruction of this task can use (sorted)."""
-        words = set(TEMPLATE.replace("{object}", "").replace("{goal}", "").split())
-        for o in self.objects:
-            words.update(o.split())
-        words.update(self.goals)
-        return sorted(words)
+    ee: torch.Tensor  # (2,) end-effector position
+    obj: torch.Tensor  # (K, 2) object positions
+    obj_vel: torch.Tensor  # (K, 2) carried-over displacement per substep
+    instruction: torch.Tensor  # () int64 index into Tabletop.instructions
+    tick: torch.Tensor  # () int64 ticks into the episode (frozen after success)
+    success: torch.Tensor  # () bool
+    key: torch.Tensor  # () int64 the slot's RNG stream
+    counter: torch.Tensor  # () int64 draws taken from it (one per episode)
 
 
 class Tabletop:
-    """The batched simulator over the ``sim.*`` buffers of a :class:`flashrt.runtime.BufferSet`.
+    """The batched tabletop simulator, bound to the ``sim.*`` buffers of one buffer set.
+
+    Make it, put :meth:`specs` into the set's specs, then :meth:`bind` it to the set.
 
     Args:
         cfg: the task's parameters.
     """
 
+    num_cameras = 1
+    action_dim = 2
+    proprio_dim = 2
+    observation_bound = 1.0
+
     def __init__(self, cfg: TabletopConfig | None = None) -> None:
         self.cfg = cfg = cfg or TabletopConfig()
         self.num_objects = len(cfg.objects)
         self.instructions = [cfg.instruction(o, g) for o, g in cfg.combos("all")]
+        self.image_size = cfg.image_size
+        self.scene = Scene(
+            cfg.ee_radius, cfg.obj_radius, cfg.goal_radius, cfg.max_speed, cfg.friction, cfg.substeps,
+            cfg.contact_iters, BACKGROUND, GOAL_COLOR, EE_COLOR,
+        )  # fmt: skip
         self._combos_all = cfg.combos("all")
         self._split = [self._combos_all.index(c) for c in cfg.combos()]
-        self._consts: dict[torch.device, dict[str, torch.Tensor]] = {}
+        self._state: TabletopState | None = None
+        self.tables: dict[str, torch.Tensor] = {}  # constant lookup tables on the bound device
 
     # -- layout --------------------------------------------------------------------------------
     def specs(self) -> list[BufferSpec]:
-        """The per-slot state buffers the task reads and writes."""
+        """The per-slot state buffers the simulator reads and writes."""
         k = self.num_objects
         return [
             slot("sim.ee", (2,)),
             slot("sim.obj", (k, 2)),
             slot("sim.obj_vel", (k, 2)),
-            slot("sim.instruction", (), torch.int64),  # index into self.instructions
+            slot("sim.instruction", (), torch.int64),
             slot("sim.tick", (), torch.int64),
             slot("sim.success", (), torch.bool),
             slot("sim.key", (), torch.int64),
             slot("sim.counter", (), torch.int64),
         ]
 
+    def bind(self, bufs: BufferSet) -> Tabletop:
+        """Take the ``sim.*`` buffers of ``bufs`` (once) and build the constant tables on its device."""
+        if self._state is not None:
+            raise ValueError("this Tabletop is bound to a buffer set already; make one Tabletop per set")
+        self._state = bind_views(TabletopState, bufs, "sim")
+        cfg, device = self.cfg, bufs.device
+        n = cfg.image_size
+        lin = (torch.arange(n, dtype=torch.float32) + 0.5) / n * 2 - 1
+        ys, xs = torch.meshgrid(-lin, lin, indexing="ij")  # row 0 is the top of the table
+        targets, goals = [o for o, _ in self._combos_all], [g for _, g in self._combos_all]
+        self.tables = {
+            "combos": torch.tensor(self._combos_all, dtype=torch.int64, device=device),
+            # per instruction: the target's one-hot over objects, then the goal's over goals
+            "onehots": torch.cat([torch.eye(self.num_objects)[targets], torch.eye(len(cfg.goals))[goals]], 1).to(
+                device
+            ),
+            "split": torch.tensor(self._split, dtype=torch.int64, device=device),
+            "goals": torch.tensor([GOALS[g] for g in cfg.goals], dtype=torch.float32, device=device),
+            "pix": torch.stack([xs, ys], -1).to(device),  # (H, W, 2)
+            "colors": torch.tensor([COLORS[o.split()[0]] for o in cfg.objects], dtype=torch.float32, device=device),
+            "shapes": torch.tensor([SHAPES.index(o.split()[1]) for o in cfg.objects], dtype=torch.int32, device=device),
+            "background": torch.tensor(BACKGROUND, dtype=torch.float32, device=device),
+            "goal_color": torch.tensor(GOAL_COLOR, dtype=torch.float32, device=device),
+            "ee_color": torch.tensor(EE_COLOR, dtype=torch.float32, device=device),
+        }
+        return self
+
     @property
-    def state_dim(self) -> int:
-        """Length of :meth:`state`: ee (2), objects (2K), target one-hot (K), goal one-hot (G)."""
+    def state(self) -> TabletopState:
+        if self._state is None:
+            raise ValueError("bind the Tabletop to a buffer set first: Tabletop(cfg).bind(bufs)")
+        return self._state
+
+    @property
+    def success(self) -> torch.Tensor:
+        return self.state.success
+
+    @property
+    def instruction(self) -> torch.Tensor:
+        return self.state.instruction
+
+    @property
+    def rng_key(self) -> torch.Tensor:
+        return self.state.key
+
+    @property
+    def observation_dim(self) -> int:
+        """Length of :meth:`observation`: ee (2), objects (2K), target one-hot (K), goal one-hot (G)."""
         return 2 + 3 * self.num_objects + len(self.cfg.goals)
 
-    def _c(self, device: torch.device) -> dict[str, torch.Tensor]:
-        if device not in self._consts:
-            cfg, n = self.cfg, self.cfg.image_size
-            lin = (torch.arange(n, dtype=torch.float32) + 0.5) / n * 2 - 1
-            ys, xs = torch.meshgrid(-lin, lin, indexing="ij")  # row 0 is the top of the table
-            colors = [COLORS[o.split()[0]] for o in cfg.objects]
-            shapes = [SHAPES.index(o.split()[1]) for o in cfg.objects]
-            self._consts[device] = {
-                "combos": torch.tensor(self._combos_all, dtype=torch.int64, device=device),
-                # per instruction: the target's one-hot over objects, then the goal's over goals
-                "onehots": torch.cat(
-                    [
-                        torch.eye(self.num_objects)[[o for o, _ in self._combos_all]],
-                        torch.eye(len(cfg.goals))[[g for _, g in self._combos_all]],
-                    ],
-                    dim=1,
-                ).to(device),
-                "split": torch.tensor(self._split, dtype=torch.int64, device=device),
-                "goals": torch.tensor([GOALS[g] for g in cfg.goals], dtype=torch.float32, device=device),
-                "pix": torch.stack([xs, ys], -1).to(device),  # (H, W, 2)
-                "colors": torch.tensor(colors, dtype=torch.float32, device=device),
-                "background": torch.tensor(BACKGROUND, dtype=torch.float32, device=device),
-                "goal_color": torch.tensor(GOAL_COLOR, dtype=torch.float32, device=device),
-                "ee_color": torch.tensor(EE_COLOR, dtype=torch.float32, device=device),
-                "shapes": shapes,
-                "shape_codes": torch.tensor(shapes, dtype=torch.int32, device=device),
-            }
-        return self._consts[device]
+    def identity(self) -> str:
+        """What makes two tabletops' states interchangeable (for the deployment digest)."""
+        return f"tabletop|{sorted(self.cfg.to_dict().items())}"
 
-    def target_and_goal(self, b: BufferSet) -> tuple[torch.Tensor, torch.Tensor]:
+    def target_and_goal(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(slots,) target object index and (slots,) goal index of each slot's instruction."""
-        combo = self._c(b.device)["combos"][b["sim.instruction"]]
+        combo = self.tables["combos"][self.state.instruction]
         return combo[:, 0], combo[:, 1]
 
-    # -- dynamics ------------------------------------------------------------------------------
-    def seed(self, b: BufferSet, seeds: torch.Tensor, mask: torch.Tensor | None = None) -> None:
-        """Set each slot's RNG key from an int64 seed (and zero its counter), where ``mask``."""
-        keep = torch.ones_like(b["sim.success"]) if mask is None else mask
-        b["sim.key"].copy_(torch.where(keep, seeds.to(b.device, torch.int64), b["sim.key"]))
-        b["sim.counter"].masked_fill_(keep, 0)
+    def validate(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Raise ``ValueError`` naming the buffer if ``sim.*`` tensors (e.g. a capsule's, before
+        it is restored) hold values this simulator cannot step from."""
+        instr = state["sim.instruction"]
+        if instr.numel() and (int(instr.min()) < 0 or int(instr.max()) >= len(self.instructions)):
+            raise ValueError(f"sim.instruction holds indices outside [0, {len(self.instructions)})")
+        for name in ("sim.tick", "sim.counter"):
+            if state[name].numel() and int(state[name].min()) < 0:
+                raise ValueError(f"{name} holds negative values")
+        for name in ("sim.ee", "sim.obj", "sim.obj_vel"):
+            if not torch.isfinite(state[name]).all():
+                raise ValueError(f"{name} holds NaN or infinity")
+        success = state["sim.success"]
+        if success.numel() and int(success.view(torch.uint8).max()) > 1:
+            raise ValueError("sim.success holds bytes other than 0 and 1")
 
-    def reset(self, b: BufferSet, mask: torch.Tensor | None = None, instruction: torch.Tensor | None = None) -> None:
-        """Draw a new episode from each slot's RNG where ``mask`` (all slots if None).
+    # -- dynamics ------------------------------------------------------------------------------
+    def seed(self, seeds: torch.Tensor) -> None:
+        """Give every slot the RNG stream of its int64 seed (slots,), from its first draw."""
+        s = self.state
+        s.key.copy_(seeds)
+        s.counter.zero_()
+
+    def reset(self, mask: torch.Tensor | None = None, instruction: torch.Tensor | None = None) -> None:
+        """Draw the next episode of each slot's RNG stream where ``mask`` (all slots if None).
 
         ``instruction`` (slots,) int64 forces instruction indices (``-1`` keeps the draw).
         """
-        cfg, c, k = self.cfg, self._c(b.device), self.num_objects
-        m = torch.ones_like(b["sim.success"]) if mask is None else mask
-        u = uniform(b["sim.key"], b["sim.counter"], 3 + 2 * k)
+        cfg, c, k, s = self.cfg, self.tables, self.num_objects, self.state
+        m = torch.ones_like(s.success) if mask is None else mask
+        u = uniform(s.key, s.counter, 3 + 2 * k)
         split = c["split"]
         drawn = split[(u[:, 0] * len(self._split)).long().clamp_(max=len(self._split) - 1)]
         if instruction is not None:
@@ -242,13 +199,13 @@ class Tabletop:
         for _ in range(8):  # separate overlapping starts
             obj = self._contacts(ee, obj)
         w = m.view(-1, 1)
-        b["sim.ee"].copy_(torch.where(w, ee, b["sim.ee"]))
-        b["sim.obj"].copy_(torch.where(w[:, :, None], obj, b["sim.obj"]))
-        b["sim.obj_vel"].masked_fill_(w[:, :, None], 0.0)
-        b["sim.instruction"].copy_(torch.where(m, drawn, b["sim.instruction"]))
-        b["sim.tick"].masked_fill_(m, 0)
-        b["sim.success"].masked_fill_(m, False)
-        b["sim.counter"].add_(m.long())
+        s.ee.copy_(torch.where(w, ee, s.ee))
+        s.obj.copy_(torch.where(w[:, :, None], obj, s.obj))
+        s.obj_vel.masked_fill_(w[:, :, None], 0.0)
+        s.instruction.copy_(torch.where(m, drawn, s.instruction))
+        s.tick.masked_fill_(m, 0)
+        s.success.masked_fill_(m, False)
+        s.counter.add_(m.long())
 
     def _contacts(self, ee: torch.Tensor, obj: torch.Tensor) -> torch.Tensor:
         """One round of position projection: ee pushes objects, objects push apart, walls."""
@@ -264,17 +221,18 @@ class Tabletop:
         lim = 1.0 - cfg.obj_radius
         return obj.clamp(-lim, lim)
 
-    def step(self, b: BufferSet, action: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Advance every slot one tick under ``action`` (slots, 2) in [-1, 1] (clipped).
+    def step(self, action: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Advance every slot one tick under ``action`` (slots, 2) in [-1, 1] (clipped): the
+        torch reference of one tick of :meth:`run_ticks`.
 
         Returns:
             (dense, sparse) rewards of this tick, each (slots,) float32.
         """
-        cfg = self.cfg
-        alive = ~b["sim.success"]
-        d_obj0, d_ee0 = self._distances(b)
+        cfg, s = self.cfg, self.state
+        alive = ~s.success
+        d_obj0, d_ee0 = self._distances()
         vel = action.clamp(-1.0, 1.0) * (cfg.max_speed / cfg.substeps) * alive[:, None]
-        ee, obj, obj_vel = b["sim.ee"], b["sim.obj"], b["sim.obj_vel"]
+        ee, obj, obj_vel = s.ee, s.obj, s.obj_vel
         lim = 1.0 - cfg.ee_radius
         for _ in range(cfg.substeps):
             new_ee = (ee + vel).clamp(-lim, lim)
@@ -286,70 +244,71 @@ class Tabletop:
             obj_vel = torch.where(a, (moved - prev) * cfg.friction, obj_vel)
             obj = torch.where(a, moved, obj)
             ee = new_ee
-        b["sim.ee"].copy_(ee)
-        b["sim.obj"].copy_(obj)
-        b["sim.obj_vel"].copy_(obj_vel)
-        d_obj1, d_ee1 = self._distances(b)
+        s.ee.copy_(ee)
+        s.obj.copy_(obj)
+        s.obj_vel.copy_(obj_vel)
+        d_obj1, d_ee1 = self._distances()
         success = d_obj1 < cfg.goal_radius
         newly = success & alive
-        b["sim.success"].copy_(success | ~alive)
-        b["sim.tick"].add_(alive.long())
+        s.success.copy_(success | ~alive)
+        s.tick.add_(alive.long())
         dense = (5.0 * (d_obj0 - d_obj1) + 1.0 * (d_ee0 - d_ee1) + 2.0 * newly) * alive
         sparse = torch.where(alive & ~success, -1.0, 0.0)
         return dense, sparse
 
-    def run_ticks(
-        self, b: BufferSet, actions: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor] | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Advance every slot ``T`` ticks under ``actions (slots, T, 2)``; returns the summed
-        (dense, sparse) rewards, each (slots,), written into ``out`` (two float32 (slots,)
-        tensors) when given. One Triton launch on CUDA (:mod:`flashrt_gym.tasks.tabletop_kernels`),
-        :meth:`step` per tick elsewhere."""
-        if out is not None and any(o.shape != (b.num_slots,) or o.dtype != torch.float32 for o in out):
-            raise ValueError(f"run_ticks: out must be two float32 ({b.num_slots},) tensors")
-        if use_triton(b["sim.ee"], actions, *(out or ())) and actions.stride(-1) == 1:
-            return ticks_triton(self, b, actions, out)
-        dense = torch.zeros(b.num_slots, device=b.device)
-        sparse = torch.zeros(b.num_slots, device=b.device)
+    def run_ticks(self, actions: torch.Tensor, dense: torch.Tensor, sparse: torch.Tensor) -> None:
+        """Advance every slot ``T`` ticks under ``actions (slots, T, 2)`` and write the summed
+        (dense, sparse) rewards into ``dense`` and ``sparse`` (float32 (slots,), any stride).
+        One Triton launch on CUDA (:mod:`flashrt_gym.tasks.tabletop_kernels`), :meth:`step` per
+        tick elsewhere."""
+        s = self.state
+        n = s.ee.shape[0]
+        if any(o.shape != (n,) or o.dtype != torch.float32 for o in (dense, sparse)):
+            raise ValueError(f"run_ticks: dense and sparse must be float32 ({n},) tensors")
+        if use_triton(s.ee, actions, dense, sparse):
+            ticks_triton(s, self.tables, self.scene, actions, dense, sparse)
+            return
+        dense.zero_()
+        sparse.zero_()
         for t in range(actions.shape[1]):
-            d, s = self.step(b, actions[:, t])
-            dense = dense + d
-            sparse = sparse + s
-        if out is None:
-            return dense, sparse
-        return out[0].copy_(dense), out[1].copy_(sparse)
+            d, sp = self.step(actions[:, t])
+            dense.add_(d)
+            sparse.add_(sp)
 
-    def _distances(self, b: BufferSet) -> tuple[torch.Tensor, torch.Tensor]:
+    def _distances(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Target object to its goal centre, and end-effector to the target's contact ring."""
-        target, goal = self.target_and_goal(b)
-        obj = b["sim.obj"].gather(1, target.view(-1, 1, 1).expand(-1, 1, 2)).squeeze(1)
-        g = self._c(b.device)["goals"][goal]
-        ring = (b["sim.ee"] - obj).norm(dim=-1) - (self.cfg.ee_radius + self.cfg.obj_radius)
+        s = self.state
+        target, goal = self.target_and_goal()
+        obj = s.obj.gather(1, target.view(-1, 1, 1).expand(-1, 1, 2)).squeeze(1)
+        g = self.tables["goals"][goal]
+        ring = (s.ee - obj).norm(dim=-1) - (self.cfg.ee_radius + self.cfg.obj_radius)
         return (obj - g).norm(dim=-1), ring.clamp_min(0.0)
 
     # -- observations --------------------------------------------------------------------------
-    def render(self, b: BufferSet, out: torch.Tensor | None = None) -> torch.Tensor:
-        """(slots, H, W, 3) uint8 top-down image of every slot, written into ``out`` if given
-        (one Triton launch on CUDA, :mod:`flashrt_gym.tasks.tabletop_kernels`)."""
-        size = self.cfg.image_size
-        if out is not None and out.shape != (b.num_slots, size, size, 3):
-            raise ValueError(f"render: out must be ({b.num_slots}, {size}, {size}, 3) uint8, got {tuple(out.shape)}")
-        if out is not None and use_triton(out, b["sim.ee"]) and out[0].is_contiguous() and out.dtype == torch.uint8:
-            render_triton(self, b, out)
-            return out
-        img = self._render_reference(b)
-        return img if out is None else out.copy_(img)
+    def render(self, out: torch.Tensor) -> None:
+        """Write every slot's top-down image into ``out (slots, 1, H, W, 3)`` uint8 (one Triton
+        launch on CUDA, :mod:`flashrt_gym.tasks.tabletop_kernels`)."""
+        size, n = self.cfg.image_size, self.state.ee.shape[0]
+        if out.shape != (n, 1, size, size, 3) or out.dtype != torch.uint8:
+            raise ValueError(
+                f"render: out must be ({n}, 1, {size}, {size}, 3) uint8, got {tuple(out.shape)} {out.dtype}"
+            )
+        if use_triton(out, self.state.ee):
+            render_triton(self.state, self.tables, self.scene, out[:, 0])
+        else:
+            out[:, 0].copy_(self.render_reference())
 
-    def _render_reference(self, b: BufferSet) -> torch.Tensor:
-        cfg, c = self.cfg, self._c(b.device)
+    def render_reference(self) -> torch.Tensor:
+        """(slots, H, W, 3) uint8: the torch reference of the render."""
+        cfg, c, s = self.cfg, self.tables, self.state
         pix = c["pix"]  # (H, W, 2)
-        n = b.num_slots
+        n = s.ee.shape[0]
         img = c["background"].expand(n, *pix.shape[:2], 3)
         goal_mask = ((pix[None] - c["goals"][:, None, None]).norm(dim=-1) < cfg.goal_radius).any(0)
         img = torch.where(goal_mask[None, :, :, None], c["goal_color"], img)
         r = cfg.obj_radius
-        for k, shape in enumerate(c["shapes"]):
-            d = pix[None] - b["sim.obj"][:, k][:, None, None]  # (N, H, W, 2)
+        for k, shape in enumerate(SHAPES.index(o.split()[1]) for o in cfg.objects):
+            d = pix[None] - s.obj[:, k][:, None, None]  # (N, H, W, 2)
             dx, dy = d[..., 0], d[..., 1]
             if shape == 0:  # square
                 inside = torch.maximum(dx.abs(), dy.abs()) < 0.85 * r
@@ -360,34 +319,30 @@ class Tabletop:
             else:  # diamond
                 inside = dx.abs() + dy.abs() < 1.05 * r
             img = torch.where(inside[..., None], c["colors"][k], img)
-        d = pix[None] - b["sim.ee"][:, None, None]
-        img = torch.where(
-            (d.norm(dim=-1) < cfg.ee_radius)[..., None],
-            c["ee_color"],
-            img,
-        )
+        d = pix[None] - s.ee[:, None, None]
+        img = torch.where((d.norm(dim=-1) < cfg.ee_radius)[..., None], c["ee_color"], img)
         return img.to(torch.uint8)
 
-    def proprio(self, b: BufferSet) -> torch.Tensor:
-        """(slots, 2) end-effector position: the policy's proprioceptive input."""
-        return b["sim.ee"]
+    def proprio(self, out: torch.Tensor) -> None:
+        """(slots, 2) end-effector position, the policy's proprioceptive input, into ``out``."""
+        out.copy_(self.state.ee)
 
-    def state(self, b: BufferSet, out: torch.Tensor | None = None) -> torch.Tensor:
-        """(slots, state_dim) float32 low-dimensional observation: end effector, objects, and the
-        instruction's target and goal one-hot (looked up per instruction: two kernels in all),
-        written into ``out`` when given."""
-        onehots = self._c(b.device)["onehots"][b["sim.instruction"]]
-        return torch.cat([b["sim.ee"], b["sim.obj"].reshape(b.num_slots, -1), onehots], dim=1, out=out)
+    def observation(self, out: torch.Tensor) -> None:
+        """(slots, observation_dim) float32 low-dimensional observation into ``out``: end effector,
+        objects, and the instruction's target and goal one-hot (looked up per instruction)."""
+        s = self.state
+        onehots = self.tables["onehots"][s.instruction]
+        torch.cat([s.ee, s.obj.reshape(s.ee.shape[0], -1), onehots], dim=1, out=out)
 
     # -- scripted expert -----------------------------------------------------------------------
-    def expert(self, b: BufferSet) -> torch.Tensor:
+    def expert(self) -> torch.Tensor:
         """(slots, 2) action of a scripted pusher: get behind the target (going around it when
         in front), then push it along the line to the goal centre, correcting sideways."""
-        cfg = self.cfg
-        target, goal = self.target_and_goal(b)
-        ee = b["sim.ee"]
-        obj = b["sim.obj"].gather(1, target.view(-1, 1, 1).expand(-1, 1, 2)).squeeze(1)
-        g = self._c(b.device)["goals"][goal]
+        cfg, s = self.cfg, self.state
+        target, goal = self.target_and_goal()
+        ee = s.ee
+        obj = s.obj.gather(1, target.view(-1, 1, 1).expand(-1, 1, 2)).squeeze(1)
+        g = self.tables["goals"][goal]
         to_goal = g - obj
         u = to_goal / to_goal.norm(dim=-1, keepdim=True).clamp_min(1e-6)
         perp = torch.stack([-u[:, 1], u[:, 0]], dim=-1)

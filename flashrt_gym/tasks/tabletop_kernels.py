@@ -1,25 +1,56 @@
 """The tabletop's hot path as two Triton kernels: all ticks of an action chunk, and the render.
 
 :meth:`Tabletop.step <flashrt_gym.tasks.Tabletop.step>` (one tick) and
-:meth:`Tabletop.render <flashrt_gym.tasks.Tabletop.render>` in torch are the references: a tick
-is about 150 small kernels (substeps x contact rounds of elementwise work on ``(N, K, 2)``
-tensors) and the render about 40, all launch-bound. Here one program owns a block of slots and
-runs every tick of the chunk with the state in registers (one launch per chunk), and one
-program renders a block of pixels of one slot straight into the policy's image buffer. The
-arithmetic follows the references operation by operation; results agree to float32 rounding.
+:meth:`Tabletop.render_reference <flashrt_gym.tasks.Tabletop.render_reference>` in torch are the
+references: a tick is about 150 small kernels (substeps x contact rounds of elementwise work on
+``(N, K, 2)`` tensors) and the render about 40, all launch-bound. Here one program owns a block
+of slots and runs every tick of the chunk with the state in registers (one launch per chunk),
+and one program renders a block of pixels of one slot straight into the policy's image buffer.
+The arithmetic follows the references operation by operation; results agree to float32 rounding.
+
+The kernels take the state as the tensors they read and write, with every stride (slot buffers
+are views of a slot-major arena whose slot stride is the row), plus the scene's constants
+(:class:`Scene`) and tables: they know nothing of the task object.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from flashrt.kernels.backend import sm_count, tl, triton
-from flashrt.runtime import BufferSet
 
-if TYPE_CHECKING:
-    from flashrt_gym.tasks.tabletop import Tabletop
+
+@dataclass(frozen=True)
+class Scene:
+    """The constants the kernels compile in: sizes and speeds in table units, iteration counts,
+    and the RGB colours of the background, the goals and the end-effector."""
+
+    ee_radius: float
+    obj_radius: float
+    goal_radius: float
+    max_speed: float
+    friction: float
+    substeps: int
+    contact_iters: int
+    background: tuple[int, int, int]
+    goal_color: tuple[int, int, int]
+    ee_color: tuple[int, int, int]
+
+
+class State(Protocol):
+    """The slot buffers the kernels take (``flashrt_gym.tasks.tabletop.TabletopState``)."""
+
+    ee: torch.Tensor
+    obj: torch.Tensor
+    obj_vel: torch.Tensor
+    instruction: torch.Tensor
+    tick: torch.Tensor
+    success: torch.Tensor
+
 
 if triton is not None:
 
@@ -58,7 +89,8 @@ if triton is not None:
     @triton.jit
     def _ticks_kernel(
         ee, obj, vel, success, tick, instruction, actions, combos, goals, dense_out, sparse_out,
-        n, s_ee, s_obj, s_vel, s_succ, s_tick, s_inst, s_an, s_at, s_dense, s_sparse, T,
+        n, s_ee, s_ee1, s_obj, s_objk, s_obj1, s_vel, s_velk, s_vel1, s_succ, s_tick, s_inst,
+        s_an, s_at, s_aa, s_dense, s_sparse, T,
         K: tl.constexpr, KP: tl.constexpr, SUBSTEPS: tl.constexpr, ITERS: tl.constexpr,
         EE_R: tl.constexpr, OBJ_R: tl.constexpr, GOAL_R: tl.constexpr, SPEED: tl.constexpr,
         FRICTION: tl.constexpr, BLOCK: tl.constexpr,
@@ -70,14 +102,14 @@ if triton is not None:
         valid = kk < K
         m2 = live[:, None] & valid[None, :]
         ex = tl.load(ee + r * s_ee, mask=live, other=0.0)
-        ey = tl.load(ee + r * s_ee + 1, mask=live, other=0.0)
-        ptr_o = obj + r[:, None] * s_obj + kk[None, :] * 2
-        ptr_v = vel + r[:, None] * s_vel + kk[None, :] * 2
+        ey = tl.load(ee + r * s_ee + s_ee1, mask=live, other=0.0)
+        ptr_o = obj + r[:, None] * s_obj + kk[None, :] * s_objk
+        ptr_v = vel + r[:, None] * s_vel + kk[None, :] * s_velk
         far = 100.0 + 10.0 * kk[None, :].to(tl.float32)  # padding objects sit far apart, never touch
         ox = tl.load(ptr_o, mask=m2, other=0.0) + tl.where(valid[None, :], 0.0, far)
-        oy = tl.load(ptr_o + 1, mask=m2, other=0.0)
+        oy = tl.load(ptr_o + s_obj1, mask=m2, other=0.0)
         vx = tl.load(ptr_v, mask=m2, other=0.0)
-        vy = tl.load(ptr_v + 1, mask=m2, other=0.0)
+        vy = tl.load(ptr_v + s_vel1, mask=m2, other=0.0)
         done = tl.load(success + r * s_succ, mask=live, other=1) != 0
         ticks = tl.load(tick + r * s_tick, mask=live, other=0)
         inst = tl.load(instruction + r * s_inst, mask=live, other=0)
@@ -93,7 +125,7 @@ if triton is not None:
             af = alive.to(tl.float32)
             d_obj0, d_ee0 = _target_distances(ex, ey, ox, oy, target, gx, gy, kk, EE_R, OBJ_R)
             ax = tl.load(actions + r * s_an + t * s_at, mask=live, other=0.0)
-            ay = tl.load(actions + r * s_an + t * s_at + 1, mask=live, other=0.0)
+            ay = tl.load(actions + r * s_an + t * s_at + s_aa, mask=live, other=0.0)
             velx = tl.minimum(tl.maximum(ax, -1.0), 1.0) * (SPEED / SUBSTEPS) * af
             vely = tl.minimum(tl.maximum(ay, -1.0), 1.0) * (SPEED / SUBSTEPS) * af
             for _ in tl.static_range(SUBSTEPS):
@@ -116,11 +148,11 @@ if triton is not None:
             ticks += alive.to(tl.int64)
             done = hit | done
         tl.store(ee + r * s_ee, ex, mask=live)
-        tl.store(ee + r * s_ee + 1, ey, mask=live)
+        tl.store(ee + r * s_ee + s_ee1, ey, mask=live)
         tl.store(ptr_o, ox, mask=m2)
-        tl.store(ptr_o + 1, oy, mask=m2)
+        tl.store(ptr_o + s_obj1, oy, mask=m2)
         tl.store(ptr_v, vx, mask=m2)
-        tl.store(ptr_v + 1, vy, mask=m2)
+        tl.store(ptr_v + s_vel1, vy, mask=m2)
         tl.store(success + r * s_succ, done.to(tl.int8), mask=live)
         tl.store(tick + r * s_tick, ticks, mask=live)
         tl.store(dense_out + r * s_dense, dense, mask=live)
@@ -128,7 +160,8 @@ if triton is not None:
 
     @triton.jit
     def _render_kernel(
-        out, ee, obj, goals, colors, shapes, s_out, s_ee, s_obj, n_goals, n_objects,
+        out, ee, obj, goals, colors, shapes, s_out, s_oh, s_ow, s_oc, s_ee, s_ee1, s_obj, s_objk, s_obj1,
+        n_goals, n_objects,
         SIZE: tl.constexpr, EE_R: tl.constexpr, OBJ_R: tl.constexpr, GOAL_R: tl.constexpr,
         BG_R: tl.constexpr, BG_G: tl.constexpr, BG_B: tl.constexpr,
         GOAL_CR: tl.constexpr, GOAL_CG: tl.constexpr, GOAL_CB: tl.constexpr,
@@ -151,8 +184,8 @@ if triton is not None:
         cg = tl.where(on_goal, GOAL_CG, cg)
         cb = tl.where(on_goal, GOAL_CB, cb)
         for k in range(n_objects):
-            dx = px - tl.load(obj + s * s_obj + 2 * k)
-            dy = py - tl.load(obj + s * s_obj + 2 * k + 1)
+            dx = px - tl.load(obj + s * s_obj + k * s_objk)
+            dy = py - tl.load(obj + s * s_obj + k * s_objk + s_obj1)
             shape = tl.load(shapes + k)
             ax = tl.abs(dx)
             ay = tl.abs(dy)
@@ -164,14 +197,14 @@ if triton is not None:
             cr = tl.where(hit, tl.load(colors + 3 * k), cr)
             cg = tl.where(hit, tl.load(colors + 3 * k + 1), cg)
             cb = tl.where(hit, tl.load(colors + 3 * k + 2), cb)
-        on_ee = _norm(px - tl.load(ee + s * s_ee), py - tl.load(ee + s * s_ee + 1)) < EE_R
+        on_ee = _norm(px - tl.load(ee + s * s_ee), py - tl.load(ee + s * s_ee + s_ee1)) < EE_R
         cr = tl.where(on_ee, EE_CR, cr)
         cg = tl.where(on_ee, EE_CG, cg)
         cb = tl.where(on_ee, EE_CB, cb)
-        dst = out + s * s_out + p * 3
+        dst = out + s * s_out + row.to(tl.int64) * s_oh + col.to(tl.int64) * s_ow
         tl.store(dst, cr.to(tl.uint8), mask=inside_img)
-        tl.store(dst + 1, cg.to(tl.uint8), mask=inside_img)
-        tl.store(dst + 2, cb.to(tl.uint8), mask=inside_img)
+        tl.store(dst + s_oc, cg.to(tl.uint8), mask=inside_img)
+        tl.store(dst + 2 * s_oc, cb.to(tl.uint8), mask=inside_img)
 
 
 _RENDER_BLOCK = 1024
@@ -180,48 +213,54 @@ _RENDER_BLOCK = 1024
 def _ticks_launch(n: int, device: torch.device) -> tuple[int, int]:
     """(slots a program, warps) of the ticks kernel. A program's contact rounds are a serial
     chain of small reductions: with up to one program per SM, two slots in one warp (no
-    cross-warp reductions); beyond that, blocks of 16 in four warps. On an H200 (4 ticks of 2
-    substeps x 3 contact rounds) one slot took 7.5 us against 23 with the former 64 slots in four
-    warps, and 4096 slots 12.6 against 26 us; every shape gives the same bytes."""
+    cross-warp reductions); beyond that, blocks of 16 in four warps (measurements in
+    docs/PERFORMANCE.md). Every shape gives the same bytes."""
     return (2, 1) if triton.cdiv(n, 2) <= sm_count(device) else (16, 4)
 
 
 def ticks_triton(
-    task: Tabletop, b: BufferSet, actions: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor] | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every tick of ``actions (slots, T, 2)`` in one launch; returns the summed (dense, sparse),
-    written into ``out`` (two float32 ``(slots,)`` views, any stride) when given."""
-    cfg, c, n = task.cfg, task._c(b.device), b.num_slots
-    dense, sparse = out if out is not None else (torch.empty(n, device=b.device), torch.empty(n, device=b.device))
-    if n == 0:
-        return dense, sparse
-    ee, obj, vel = b["sim.ee"], b["sim.obj"], b["sim.obj_vel"]
-    success, tick, inst = b["sim.success"].view(torch.int8), b["sim.tick"], b["sim.instruction"]
-    block, warps = _ticks_launch(n, b.device)
-    _ticks_kernel[(triton.cdiv(n, block),)](
-        ee, obj, vel, success, tick, inst, actions, c["combos"], c["goals"], dense, sparse,
-        n, ee.stride(0), obj.stride(0), vel.stride(0), success.stride(0), tick.stride(0), inst.stride(0),
-        actions.stride(0), actions.stride(1), dense.stride(0), sparse.stride(0), actions.shape[1],
-        K=task.num_objects, KP=triton.next_power_of_2(task.num_objects), SUBSTEPS=cfg.substeps, ITERS=cfg.contact_iters,
-        EE_R=cfg.ee_radius, OBJ_R=cfg.obj_radius, GOAL_R=cfg.goal_radius, SPEED=cfg.max_speed,
-        FRICTION=cfg.friction, BLOCK=block, num_warps=warps,
-    )  # fmt: skip
-    return dense, sparse
-
-
-def render_triton(task: Tabletop, b: BufferSet, out: torch.Tensor) -> None:
-    """Render every slot into ``out (slots, H, W, 3)`` uint8 (a view with contiguous rows)."""
-    from flashrt_gym.tasks.tabletop import BACKGROUND, EE_COLOR, GOAL_COLOR
-
-    cfg, c, n = task.cfg, task._c(b.device), b.num_slots
-    size = cfg.image_size
+    state: State,
+    tables: Mapping[str, torch.Tensor],
+    scene: Scene,
+    actions: torch.Tensor,
+    dense: torch.Tensor,
+    sparse: torch.Tensor,
+) -> None:
+    """Every tick of ``actions (slots, T, 2)`` in one launch, the state updated in place and the
+    summed rewards written into ``dense`` and ``sparse`` (float32 ``(slots,)``). Every tensor may
+    have any strides. ``tables``: ``combos`` (instructions, 2) int64 and ``goals`` (G, 2) float32,
+    contiguous."""
+    n = state.ee.shape[0]
     if n == 0:
         return
+    ee, obj, vel, inst, tick = state.ee, state.obj, state.obj_vel, state.instruction, state.tick
+    success = state.success.view(torch.int8)
+    k = obj.shape[1]
+    block, warps = _ticks_launch(n, ee.device)
+    _ticks_kernel[(triton.cdiv(n, block),)](
+        ee, obj, vel, success, tick, inst, actions, tables["combos"], tables["goals"], dense, sparse,
+        n, *ee.stride(), *obj.stride(), *vel.stride(), success.stride(0), tick.stride(0), inst.stride(0),
+        *actions.stride(), dense.stride(0), sparse.stride(0), actions.shape[1],
+        K=k, KP=triton.next_power_of_2(k), SUBSTEPS=scene.substeps, ITERS=scene.contact_iters,
+        EE_R=scene.ee_radius, OBJ_R=scene.obj_radius, GOAL_R=scene.goal_radius, SPEED=scene.max_speed,
+        FRICTION=scene.friction, BLOCK=block, num_warps=warps,
+    )  # fmt: skip
+
+
+def render_triton(state: State, tables: Mapping[str, torch.Tensor], scene: Scene, out: torch.Tensor) -> None:
+    """Render every slot into ``out (slots, H, W, 3)`` uint8 (any strides). ``tables``: ``goals``
+    (G, 2) float32, ``colors`` (K, 3) float32 and ``shapes`` (K,) int32 codes, contiguous."""
+    n, size = out.shape[0], out.shape[1]
+    if n == 0:
+        return
+    if out.shape[2] != size:
+        raise ValueError(f"render_triton: out must be (slots, H, H, 3), got {tuple(out.shape)}")
+    bg, goal, ee = scene.background, scene.goal_color, scene.ee_color
     _render_kernel[(n, triton.cdiv(size * size, _RENDER_BLOCK))](
-        out, b["sim.ee"], b["sim.obj"], c["goals"], c["colors"], c["shape_codes"],
-        out.stride(0), b["sim.ee"].stride(0), b["sim.obj"].stride(0), len(cfg.goals), task.num_objects,
-        SIZE=size, EE_R=cfg.ee_radius, OBJ_R=cfg.obj_radius, GOAL_R=cfg.goal_radius,
-        BG_R=float(BACKGROUND[0]), BG_G=float(BACKGROUND[1]), BG_B=float(BACKGROUND[2]),
-        GOAL_CR=float(GOAL_COLOR[0]), GOAL_CG=float(GOAL_COLOR[1]), GOAL_CB=float(GOAL_COLOR[2]),
-        EE_CR=float(EE_COLOR[0]), EE_CG=float(EE_COLOR[1]), EE_CB=float(EE_COLOR[2]), BLOCK=_RENDER_BLOCK,
+        out, state.ee, state.obj, tables["goals"], tables["colors"], tables["shapes"],
+        *out.stride(), *state.ee.stride(), *state.obj.stride(), tables["goals"].shape[0], state.obj.shape[1],
+        SIZE=size, EE_R=scene.ee_radius, OBJ_R=scene.obj_radius, GOAL_R=scene.goal_radius,
+        BG_R=float(bg[0]), BG_G=float(bg[1]), BG_B=float(bg[2]),
+        GOAL_CR=float(goal[0]), GOAL_CG=float(goal[1]), GOAL_CB=float(goal[2]),
+        EE_CR=float(ee[0]), EE_CG=float(ee[1]), EE_CB=float(ee[2]), BLOCK=_RENDER_BLOCK,
     )  # fmt: skip

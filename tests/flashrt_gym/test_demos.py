@@ -1,13 +1,12 @@
 import torch
 
 from flashrt_gym.demos import Windows, collect, load_shards, save_shard
-from flashrt_gym.tasks import Tabletop, TabletopConfig
+from flashrt_gym.tasks import TabletopConfig
 
 
 def test_collected_shards_round_trip_and_windows_follow_the_runtime_layout(tmp_path):
     cfg = TabletopConfig()
-    task = Tabletop(cfg)
-    batches = list(collect(task, 10, num_slots=8, noise_std=0.2, max_ticks=120, seed=3))
+    batches = list(collect(cfg, 10, num_slots=8, noise_std=0.2, max_ticks=120, seed=3))
     assert sum(int(b["episode"].unique().numel()) for b in batches) == 10
     for i, b in enumerate(batches):
         save_shard(b, tmp_path / f"s{i}.safetensors", cfg)

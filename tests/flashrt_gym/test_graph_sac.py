@@ -111,6 +111,41 @@ def test_learn_save_load_and_continue(tmp_path):
     assert back.num_timesteps == 32 and back._n_updates == model._n_updates + 4
 
 
+def test_state_lives_in_one_buffer_set_and_stays_there_through_load(tmp_path):
+    """Every tensor the step touches is a view of the model's BufferSet; SB3's load and
+    load_replay_buffer copy into those views (captured pointers never move); saved files hold
+    compact copies, not the arena."""
+    env = SB3VecEnv(num_envs=2, device="cpu", graphs=False, max_episode_steps=3)
+    kw = {"learning_starts": 4, "batch_size": 8, "buffer_size": 20_000, "policy_kwargs": {"net_arch": [16]}}
+    model = GraphSAC("MlpPolicy", env, seed=0, device="cpu", **kw)
+    arena = model._bufs.shared_arena
+    lo, hi = arena.data_ptr(), arena.data_ptr() + arena.numel()
+
+    def inside(t: torch.Tensor) -> bool:
+        return lo <= t.data_ptr() < hi
+
+    tensors = [*model.policy.parameters(), model.log_ent_coef, *model.replay_buffer._store.values()]
+    tensors += [
+        v for opt in (model.actor.optimizer, model.critic.optimizer) for st in opt.state.values() for v in st.values()
+    ]
+    assert all(inside(t) for t in tensors)
+    model.learn(12)
+    model.save(tmp_path / "m.zip")
+    model.save_replay_buffer(tmp_path / "rb.pkl")
+    assert (tmp_path / "m.zip").stat().st_size < arena.numel() / 4  # the replay storage stayed out of it
+    back = GraphSAC.load(tmp_path / "m.zip", env=env, device="cpu")
+    back.load_replay_buffer(tmp_path / "rb.pkl")
+    back.capture()  # binds what load put elsewhere: values copied into the views
+    assert torch.equal(back.log_ent_coef, model.log_ent_coef)
+    assert torch.equal(back.replay_buffer._store["observations"], model.replay_buffer._store["observations"])
+    b_arena = back._bufs.shared_arena
+    assert all(
+        b_arena.data_ptr() <= p.data_ptr() < b_arena.data_ptr() + b_arena.numel() for p in back.policy.parameters()
+    )
+    assert b_arena.data_ptr() <= back.log_ent_coef.data_ptr() < b_arena.data_ptr() + b_arena.numel()
+    back.learn(4, reset_num_timesteps=False)
+
+
 def test_layer_norm_policy_normalises_every_hidden_layer(tmp_path):
     env = SB3VecEnv(num_envs=2, device="cpu", graphs=False, max_episode_steps=3)
     kw = {"learning_starts": 4, "batch_size": 8, "policy_kwargs": {"net_arch": [32, 16]}, "device": "cpu"}
@@ -137,8 +172,8 @@ def test_rejects_other_replay_buffers():
 
 @pytest.mark.cuda
 def test_captured_update_equals_eager():
-    """On the GPU: the captured gradient step (warm-up + replays) follows the eager path's
-    parameters and entropy coefficient from the same seed."""
+    """On the GPU: replays of the captured gradient step follow the eager path's parameters
+    and entropy coefficient from the same seed."""
     env = SB3VecEnv(num_envs=4, max_episode_steps=3)
     kw = {"learning_starts": 0, "batch_size": 32, "seed": 0, "policy_kwargs": {"net_arch": [64, 64]}}
     graph, eager = (GraphSAC("MlpPolicy", env, use_graphs=u, **kw) for u in (True, False))
@@ -151,11 +186,13 @@ def test_captured_update_equals_eager():
         for m in (graph, eager):
             m.replay_buffer.add(obs, nxt, act, rew, done, infos)
         obs = nxt
+    before = {k: v.clone() for k, v in graph.policy.state_dict().items()}
+    graph.capture(32)  # warm-up and capture leave the state as it was
+    assert all(torch.equal(before[k], v) for k, v in graph.policy.state_dict().items())
     for m in (graph, eager):
         m.set_logger(configure(None, []))
-        torch.manual_seed(7)
+        torch.manual_seed(7)  # the replays draw from the generator's state at each replay
         m.train(gradient_steps=10, batch_size=32)
-    assert graph._graphs, "the update was not captured"
     for a, b in zip(graph.policy.state_dict().values(), eager.policy.state_dict().values(), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(graph.log_ent_coef, eager.log_ent_coef)

@@ -2,8 +2,9 @@ import torch
 
 from flashrt.policies import tiny
 from flashrt_gym.assets import TINY, load_pretrained
-from flashrt_gym.engine import Engine
-from flashrt_gym.tasks import Tabletop, TabletopConfig
+from flashrt_gym.env import FlashRTVectorEnv
+from flashrt_gym.evaluation import VALIDATION_SEED, base_policy
+from flashrt_gym.tasks import TabletopConfig
 
 
 def test_shipped_policy_loads_by_default_and_fits_the_task():
@@ -14,7 +15,6 @@ def test_shipped_policy_loads_by_default_and_fits_the_task():
 
 
 def test_shipped_policy_pushes_objects_to_goals_far_above_chance():
-    model, weights_id = load_pretrained()
-    engine = Engine(Tabletop(TabletopConfig()), model, weights_id, 16)
+    env = FlashRTVectorEnv(16, device="cpu", action_mode="residual", autoreset=False)
     # random actions succeed in about 1 % of these episodes; the scripted expert in all of them
-    assert engine.success_rate(torch.arange(16) + 1_000_000) >= 0.15
+    assert base_policy(env, VALIDATION_SEED).success >= 0.15

@@ -2,14 +2,15 @@ import pytest
 import torch
 
 from flashrt.runtime import BufferSet, Graph
-from flashrt_gym.tasks import Tabletop, TabletopConfig
+from flashrt_gym.tasks import COLORS, Tabletop, TabletopConfig
 
 
 def make(n: int = 64, device: str = "cpu", seed: int = 0, **cfg) -> tuple[Tabletop, BufferSet]:
     task = Tabletop(TabletopConfig(**cfg))
     b = BufferSet(task.specs(), n, device)
-    task.seed(b, torch.arange(n) + 1000 * seed)
-    task.reset(b)
+    task.bind(b)
+    task.seed(torch.arange(n, device=device) + 1000 * seed)
+    task.reset()
     return task, b
 
 
@@ -18,8 +19,8 @@ def rollout(task: Tabletop, b: BufferSet, ticks: int, noise: float = 0.0, seed: 
     dense = torch.zeros(b.num_slots)
     sparse = torch.zeros(b.num_slots)
     for _ in range(ticks):
-        a = task.expert(b) + noise * torch.randn(b.num_slots, 2, generator=g).to(b.device)
-        d, s = task.step(b, a)
+        a = task.expert() + noise * torch.randn(b.num_slots, 2, generator=g).to(b.device)
+        d, s = task.step(a)
         dense += d.cpu()
         sparse += s.cpu()
     return dense, sparse
@@ -30,7 +31,7 @@ def test_contacts_keep_overlap_small_and_everything_in_bounds():
     cfg = task.cfg
     g = torch.Generator().manual_seed(1)
     for _ in range(60):
-        task.step(b, torch.rand(256, 2, generator=g) * 2 - 1)
+        task.step(torch.rand(256, 2, generator=g) * 2 - 1)
         obj, ee = b["sim.obj"], b["sim.ee"]
         assert obj.abs().max() <= 1 - cfg.obj_radius + 1e-6 and ee.abs().max() <= 1 - cfg.ee_radius + 1e-6
         pair = (obj[:, :, None] - obj[:, None, :]).norm(dim=-1) + torch.eye(3) * 10
@@ -46,34 +47,43 @@ def test_same_seed_same_rollout_other_seed_other_rollout():
     assert not torch.equal(b1["sim.obj"], b3["sim.obj"])
 
 
-def test_run_ticks_writes_its_rewards_into_given_views_and_state_matches_its_parts():
-    """The chunk's summed rewards land in ``out`` (views of a wider buffer) exactly as returned
-    without it; a wrong ``out`` is refused before any tick runs. ``state`` is end effector,
-    objects and the instruction's target and goal one-hot, also written into ``out``."""
+def test_run_ticks_writes_its_rewards_into_given_views_and_observation_matches_its_parts():
+    """The chunk's summed rewards land in the given views of a wider buffer and equal the sum of
+    one-tick steps; a wrong output is refused before any tick runs. The observation is end
+    effector, objects and the instruction's target and goal one-hot."""
     (t1, b1), (t2, b2) = make(8, seed=5), make(8, seed=5)
     actions = torch.rand(8, 4, 2, generator=torch.Generator().manual_seed(2)) * 2 - 1
-    want = t1.run_ticks(b1, actions)
+    want = [torch.zeros(8), torch.zeros(8)]
+    for t in range(4):
+        d, s = t1.step(actions[:, t])
+        want[0] += d
+        want[1] += s
     rewards = torch.full((8, 3), float("nan"))
-    got = t2.run_ticks(b2, actions, out=(rewards[:, 0], rewards[:, 2]))
-    assert got[0].data_ptr() == rewards.data_ptr() and rewards[:, 1].isnan().all()
-    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    t2.run_ticks(actions, rewards[:, 0], rewards[:, 2])
+    assert rewards[:, 1].isnan().all() and torch.equal(b1.slot_arena, b2.slot_arena)
+    torch.testing.assert_close(rewards[:, 0], want[0])
+    assert torch.equal(rewards[:, 2], want[1])
     before = b2.slot_arena.clone()
-    with pytest.raises(ValueError, match="out must be two float32 \\(8,\\) tensors"):
-        t2.run_ticks(b2, actions, out=(rewards[:4, 0], rewards[:4, 2]))
+    with pytest.raises(ValueError, match=r"dense and sparse must be float32 \(8,\) tensors"):
+        t2.run_ticks(actions, rewards[:4, 0], rewards[:4, 2])
     assert torch.equal(b2.slot_arena, before)
-    target, goal = t1.target_and_goal(b1)
+    target, goal = t1.target_and_goal()
     parts = [b1["sim.ee"], b1["sim.obj"].flatten(1), torch.eye(3)[target], torch.eye(len(t1.cfg.goals))[goal]]
-    out = torch.empty(8, t1.state_dim)
-    assert torch.equal(t1.state(b1, out=out), torch.cat(parts, 1)) and torch.equal(out, torch.cat(parts, 1))
+    out = torch.empty(8, t1.observation_dim)
+    t1.observation(out=out)
+    assert torch.equal(out, torch.cat(parts, 1))
 
 
 def test_render_shape_dtype_range_and_colours_where_objects_are():
     task, b = make(8, image_size=64)
-    img = task.render(b)
+    img = torch.zeros(8, 1, 64, 64, 3, dtype=torch.uint8)
+    task.render(out=img)
+    img = img[:, 0]
     assert img.shape == (8, 64, 64, 3) and img.dtype == torch.uint8
     assert img.min() >= 0 and img.max() <= 255 and img.float().std() > 10
     # the pixel under each object's centre has that object's colour
-    for k, color in enumerate(task._c(b.device)["colors"]):
+    for k, name in enumerate(task.cfg.objects):
+        color = torch.tensor(COLORS[name.split()[0]], dtype=torch.float32)
         xy = b["sim.obj"][:, k]
         col = ((xy[:, 0] + 1) / 2 * 64).long().clamp(0, 63)
         row = ((1 - xy[:, 1]) / 2 * 64).long().clamp(0, 63)
@@ -98,7 +108,7 @@ def test_rewards_sparse_is_minus_one_until_success_dense_rewards_progress():
     assert (dense > 0).all()
     # a frozen (succeeded) slot earns nothing and does not move
     before = b.slot_arena.clone()
-    d, s = task.step(b, torch.ones(64, 2))
+    d, s = task.step(torch.ones(64, 2))
     assert torch.equal(before, b.slot_arena) and not d.any() and not s.any()
 
 
@@ -107,7 +117,7 @@ def test_masked_reset_touches_only_masked_slots_and_draws_from_the_split():
     rollout(task, b, 10)
     before = b.slot_arena.clone()
     mask = torch.arange(64) % 3 == 0
-    task.reset(b, mask)
+    task.reset(mask)
     assert torch.equal(b.slot_arena[~mask], before[~mask])
     assert not torch.equal(b.slot_arena[mask], before[mask])
     assert (b["sim.tick"][mask] == 0).all()
@@ -152,27 +162,29 @@ def test_one_object_has_no_heldout_split():
 @pytest.mark.cuda
 def test_cuda_simulator_agrees_with_cpu_and_captures_in_a_graph():
     task, cpu = make(128, "cpu", seed=7)
-    _, gpu = make(128, "cuda", seed=7)
+    gpu_task, gpu = make(128, "cuda", seed=7)
     assert torch.equal(cpu["sim.instruction"], gpu["sim.instruction"].cpu())
     torch.testing.assert_close(cpu["sim.obj"], gpu["sim.obj"].cpu(), atol=1e-5, rtol=0)
     for _ in range(20):
-        task.step(cpu, task.expert(cpu))
-        task.step(gpu, task.expert(gpu))
+        task.step(task.expert())
+        gpu_task.step(gpu_task.expert())
     torch.testing.assert_close(cpu["sim.obj"], gpu["sim.obj"].cpu(), atol=1e-3, rtol=0)
-    # one captured graph: expert + step + masked reset of succeeded slots + render
-    _, eager = make(128, "cuda", seed=8)
-    _, graph = make(128, "cuda", seed=8)
-    frames = {}
+    # one captured graph: expert + chunk of ticks + masked reset of succeeded slots + render
+    eager_task, eager = make(128, "cuda", seed=8)
+    graph_task, graph = make(128, "cuda", seed=8)
+    frames = {id(eager): torch.zeros(128, 1, 64, 64, 3, dtype=torch.uint8, device="cuda")}
+    frames[id(graph)] = torch.zeros_like(frames[id(eager)])
+    rewards = torch.zeros(2, 128, device="cuda")
 
-    def tick(b):
-        task.step(b, task.expert(b))
-        task.reset(b, b["sim.success"].clone())
-        frames[id(b)] = task.render(b)
+    def tick(t, b):
+        t.run_ticks(t.expert()[:, None].expand(-1, 2, -1), rewards[0], rewards[1])
+        t.reset(t.success.clone())
+        t.render(out=frames[id(b)])
 
     g = Graph("sim").bind(graph)
-    g.capture(128, lambda: tick(graph))
+    g.capture(128, lambda: tick(graph_task, graph))
     for _ in range(40):
-        tick(eager)
+        tick(eager_task, eager)
         g.replay(128)
         assert torch.equal(eager.slot_arena, graph.slot_arena)
     assert torch.equal(frames[id(eager)], frames[id(graph)])

@@ -1,9 +1,11 @@
 """A small policy configuration and helpers shared by the policy tests."""
 
+from collections.abc import Callable
+
 import torch
 
 from flashrt.policies import FlowPolicy, PolicyConfig, PolicyPipeline, policy_specs, tokenizer_for
-from flashrt.runtime import BufferSet
+from flashrt.runtime import BufferSet, Graph
 from flashrt_gym.tasks import TabletopConfig
 
 TEXTS = ["push the red square to the left goal", "push the blue triangle to the top goal"]
@@ -54,3 +56,14 @@ def observe(p: PolicyPipeline, seed: int) -> None:
     p["image"].copy_(torch.randint(0, 256, img.shape, generator=g, dtype=torch.uint8))
     p["proprio"].copy_(torch.rand(p["proprio"].shape, generator=g) * 2 - 1)
     p.encode_observation()
+
+
+STAGES = ("encode_instruction", "encode_observation", "draw_noise", "denoise")
+
+
+def capture(p: PolicyPipeline) -> Callable[[str], None]:
+    """Capture each stage of ``p`` as a variant of one graph; returns ``replay(stage)``."""
+    g = Graph("policy-stages", max_variants=len(STAGES)).bind(p.bufs)
+    for stage in STAGES:
+        g.capture(stage, getattr(p, stage))
+    return g.replay

@@ -9,6 +9,7 @@ from flashrt import kernels
 from flashrt.policies import FlowPolicy, PolicyPipeline, pi0, policy_specs, tiny, tokenizer_for
 from flashrt.runtime import BufferSet, restore, snapshot
 from flashrt_gym.tasks import TabletopConfig
+from tests.policies.small import capture
 
 pytestmark = pytest.mark.cuda
 
@@ -39,18 +40,18 @@ def test_eager_and_graph_replay_are_byte_identical(preset, n):
     cfg = {"tiny": tiny, "pi0": pi0}[preset](TabletopConfig().vocabulary)
     eager = make(cfg, n)
     graph = make(cfg, n, eager.model)
-    graph.capture()
+    run = capture(graph)
     eager.encode_instruction()
-    graph.run("encode_instruction")
+    run("encode_instruction")
     for step in range(3):
         feed(eager, step)
         feed(graph, step)
         eager.encode_observation()
         eager.draw_noise()
         eager.denoise()
-        graph.run("encode_observation")
-        graph.run("draw_noise")
-        graph.run("denoise")
+        run("encode_observation")
+        run("draw_noise")
+        run("denoise")
         torch.cuda.synchronize()
         assert torch.equal(eager.bufs.slot_arena, graph.bufs.slot_arena), f"step {step}"
         assert torch.isfinite(graph["actions"]).all()
@@ -58,20 +59,20 @@ def test_eager_and_graph_replay_are_byte_identical(preset, n):
 
 def test_snapshot_restore_between_replays_gives_identical_actions():
     p = make(tiny(TabletopConfig().vocabulary), 16)
-    p.capture()
-    p.run("encode_instruction")
+    run = capture(p)
+    run("encode_instruction")
     for step in range(2):
         feed(p, step)
-        p.run("encode_observation")
+        run("encode_observation")
     cap = snapshot(p.bufs)
-    p.run("draw_noise")
-    p.run("denoise")
+    run("draw_noise")
+    run("denoise")
     want = p["actions"].clone()
     feed(p, 9)
-    p.run("encode_observation")
+    run("encode_observation")
     restore(p.bufs, cap)
-    p.run("draw_noise")
-    p.run("denoise")
+    run("draw_noise")
+    run("denoise")
     assert torch.equal(p["actions"], want)
 
 

@@ -1,6 +1,7 @@
 """The training entry points end to end, as a user runs them (subprocesses, tiny budgets)."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -8,16 +9,17 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-from flashrt_gym.training import ConfigError, build_agent, check, make_env
+from flashrt_gym.splits import SPLITS, TRAIN_STRIDE
+from flashrt_gym.training import ConfigError, build_agent, check, is_fast, make_env, sb3_replay_path, train
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = str(ROOT / "configs")
 
 
-def run(script: str, *args: str) -> subprocess.CompletedProcess:
-    out = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / script), *args], capture_output=True, text=True, cwd=ROOT, timeout=600
-    )
+def run(script: str, *args: str, launcher: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # subprocesses side by side on CI's two cores
+    cmd = [sys.executable, *launcher, str(ROOT / "scripts" / script), *args]
+    out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=600, env=env)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     return out
 
@@ -30,17 +32,17 @@ def config(*overrides: str):
 @pytest.mark.parametrize(
     "overrides",
     [
-        [],
+        ["agent=sac"],
         ["agent=ppo"],
         ["agent=sac_sb3"],
-        ["agent.policy=flashrt_gym.graph_sac.LayerNormSACPolicy"],
-        ["env=residual"],
-        ["runtime=eager", "runtime.device=cpu"],
-        ["logger=none"],
-        ["env.obs_mode=features"],
+        ["agent=sac", "agent.policy=flashrt_gym.graph_sac.LayerNormSACPolicy"],
+        ["agent=sac", "env=residual"],
+        ["agent=sac", "runtime=eager", "runtime.device=cpu"],
+        ["agent=sac", "logger=none"],
+        ["agent=sac", "env.obs_mode=features"],
     ],
 )
-def test_every_config_composes_and_instantiates(overrides):
+def test_every_sb3_config_composes_and_instantiates(overrides):
     cfg = config(*overrides)
     check(cfg)
     env = make_env(cfg, cfg.env.num_envs)
@@ -50,16 +52,22 @@ def test_every_config_composes_and_instantiates(overrides):
     assert agent.__class__.__name__ == cfg.agent._target_.rsplit(".", 1)[-1]
 
 
-def test_presets_compose():
-    for name in ("quick", "dsrl_sac"):
+def test_presets_compose_and_the_default_is_the_fast_learner():
+    for overrides, fast in ((["experiment=quick"], True), (["experiment=dsrl_sac"], False), ([], True)):
         with initialize_config_dir(config_dir=CONFIGS, version_base="1.3"):
-            cfg = compose(config_name="train", overrides=[f"experiment={name}"])
+            cfg = compose(config_name="train", overrides=overrides)
         check(cfg)
+        assert is_fast(cfg) == fast
+    with initialize_config_dir(config_dir=CONFIGS, version_base="1.3"):
+        cfg = compose(config_name="train", overrides=["runtime.device=cpu"])
+    check(cfg)  # auto budgets: the CPU column
+    assert (cfg.env.num_envs, cfg.total_steps, cfg.agent.kwargs.batch_size, cfg.time_limit_s) == (16, 3000, 256, None)
     with initialize_config_dir(config_dir=CONFIGS, version_base="1.3"):
         cfg = compose(config_name="collect_demos")
         assert cfg.task.objects[0] == "red square"
-        cfg = compose(config_name="pretrain")
-        assert cfg.preset == "tiny"
+        assert cfg.device == cfg.runtime.device  # one runtime group for every job
+        cfg = compose(config_name="pretrain", overrides=["env.n_action_steps=8"])
+        assert cfg.preset == "tiny" and cfg.n_action_steps == 8  # the env group's cadence
 
 
 @pytest.mark.parametrize(
@@ -69,19 +77,24 @@ def test_presets_compose():
         ("eval.every=-1", "eval.every"),
         ("runtime.device=tpu", "runtime.device"),
         ("agent._target_=stable_baselines3.NOPE", "agent._target_"),
-        ("agent.policy=flashrt_gym.graph_sac.NopePolicy", "agent.policy"),
+        ("agent=sac,agent.policy=flashrt_gym.graph_sac.NopePolicy", "agent.policy"),
         ("+agent.learning_rate=0.1", "agent"),
+        ("+agent.kwargs.nope=1", "agent.kwargs"),
+        ("agent.kwargs.gamma=1.5", "agent.kwargs"),
         ("resume=/nonexistent.zip", "resume"),
+        ("seed=-1", "seed"),
+        ("eval.test_episodes=3", "eval.test_episodes"),
+        ("time_limit_s=0", "time_limit_s"),
     ],
 )
 def test_bad_values_fail_early_naming_the_key(override, key):
     with pytest.raises(ConfigError, match=f"config key '{key}'"):
-        check(config(override))
+        check(config(*override.split(",")))
 
 
-def test_train_end_to_end_then_resume_then_eval(tmp_path):
+def test_sb3_end_to_end_then_resume_then_eval(tmp_path):
     first = tmp_path / "first"
-    out = run("train.py", "experiment=smoke", f"hydra.run.dir={first}")
+    out = run("train.py", "experiment=smoke", "agent=sac", "save_replay_buffer=true", f"hydra.run.dir={first}")
     assert "base policy success" in out.stdout
     summary = json.loads((first / "summary.json").read_text())
     assert summary["env_steps"] >= 16 and 0 <= summary["success"] <= 1
@@ -93,31 +106,72 @@ def test_train_end_to_end_then_resume_then_eval(tmp_path):
         "checkpoints/last_replay_buffer.pkl",
     ):
         assert (first / name).is_file(), name
+    assert list((first / "checkpoints").glob("sb3_*_steps.zip"))  # SB3's CheckpointCallback
+    assert sb3_replay_path(first / "checkpoints/last.zip").is_file()
     second = tmp_path / "second"
-    run(
-        "train.py",
-        "experiment=smoke",
-        f"hydra.run.dir={second}",
-        f"resume={first}/checkpoints/last.zip",
-        "total_steps=24",
-    )
+    resume = [f"resume={first}/checkpoints/last.zip", "resume_replay_buffer=true", "total_steps=24"]
+    run("train.py", "experiment=smoke", "agent=sac", f"hydra.run.dir={second}", *resume)
     assert json.loads((second / "summary.json").read_text())["env_steps"] >= 24
-    ev = run("eval.py", "experiment=smoke", f"+checkpoint={first}/checkpoints/last.zip", f"hydra.run.dir={tmp_path}/e")
+    ev = run(
+        "eval.py",
+        "experiment=smoke",
+        "agent=sac",
+        f"+checkpoint={first}/checkpoints/last.zip",
+        f"hydra.run.dir={tmp_path}/e",
+    )
     assert json.loads(ev.stdout.strip().splitlines()[-1])["episodes"] == 2
 
 
-def test_a_two_job_multirun_runs_and_aggregates(tmp_path):
+def test_fast_learner_multirun_then_resume_without_pickle_then_eval_and_aggregate(tmp_path):
+    """The default learner (FastSAC) over two seeds through Hydra's multirun: each run trains on
+    its own starts, writes its folder (safetensors, no pickle, test points); one resumes with its
+    replay ring (only when asked: without the flag the ring starts empty, test_fast_sac's round
+    trip); eval.py reads a checkpoint; aggregate.py summarises the two."""
     sweep = tmp_path / "sweep"
-    run("train.py", "-m", "experiment=smoke", "seed=0,1", f"hydra.sweep.dir={sweep}")
+    run("train.py", "-m", "experiment=smoke", "seed=0,1", "save_replay_buffer=true", f"hydra.sweep.dir={sweep}")
+    runs = sorted(p.parent for p in sweep.rglob("summary.json"))
+    summaries = [json.loads((r / "summary.json").read_text()) for r in runs]
+    assert [s["ranks"][0]["reset_seed"] for s in summaries] == [0, TRAIN_STRIDE]  # own starts each
+    assert all(not s <= v < s + TRAIN_STRIDE for s in (0, TRAIN_STRIDE) for v in SPLITS.values())
+    first, summary = runs[0], summaries[0]
+    assert summary["env_steps"] == 16 and 0 <= summary["success"] <= 1 and summary["updates"] > 0
+    assert set(summary["test_success_at"]) == {"8", "16"} and summary["test_episodes"] == 4
+    assert summary["ranks"] == [{"rank": 0, "reset_seed": 0, "slots": 2, "batch_size": 8, "stored": 16}]
+    for name in ("config.yaml", "curve.json", "curve.png", "checkpoints/last.safetensors"):
+        assert (first / name).is_file(), name
+    assert (first / "checkpoints/replay_rank0.safetensors").is_file()
+    assert not list(sweep.rglob("*.pkl")) and not list(sweep.rglob("*.zip"))
+    assert {p["split"] for p in json.loads((first / "curve.json").read_text())} == {"validation", "test"}
+    ckpt = first / "checkpoints/last.safetensors"
+    again = train(config(f"resume='{ckpt}'", "resume_replay_buffer=true", "total_steps=24"), tmp_path / "resumed")
+    assert again["env_steps"] == 24 and again["ranks"][0]["stored"] == 24  # the step count and the ring came back
+    ev = run("eval.py", "experiment=smoke", f"+checkpoint='{ckpt}'", "+split=test", f"hydra.run.dir={tmp_path}/e")
+    assert json.loads(ev.stdout.strip().splitlines()[-1])["split"] == "test"
     out = run("aggregate.py", str(sweep))
     assert "| default | 2 |" in out.stdout
-    assert (sweep / "summary.md").is_file() and (sweep / "curves.png").is_file()
+    assert (
+        (sweep / "summary.md").is_file() and (sweep / "curves.png").is_file() and (sweep / "aggregate.json").is_file()
+    )
+
+
+def test_two_ranks_under_torchrun_split_the_slots_seeds_and_batch(tmp_path):
+    """torchrun with two gloo ranks: each rank steps its own half of the slots from its own
+    seeds, samples half the global batch, and the run reports the configured totals."""
+    launcher = ("-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2")
+    args = ("experiment=smoke", "env.num_envs=4", "total_steps=24", "eval.test_at=[]", f"hydra.run.dir={tmp_path}")
+    run("train.py", *args, launcher=launcher)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["num_envs"] == 4 and summary["env_steps"] == 24
+    ranks = summary["ranks"]
+    assert [r["reset_seed"] for r in ranks] == [0, 2]  # [s, s + 2) and [s + 2, s + 4): disjoint
+    assert [r["slots"] for r in ranks] == [2, 2] and sum(r["batch_size"] for r in ranks) == 8
+    assert [r["stored"] for r in ranks] == [12, 12]
 
 
 def test_eval_of_the_base_policy_records_videos(tmp_path):
     out = run("eval.py", "experiment=smoke", f"+video={tmp_path}/videos", f"hydra.run.dir={tmp_path}/e")
     result = json.loads(out.stdout.strip().splitlines()[-1])
-    assert result["checkpoint"] is None and 0 <= result["success"] <= 1
+    assert result["checkpoint"] is None and 0 <= result["success"] <= 1 and result["split"] == "validation"
     assert len(list((tmp_path / "videos").glob("*.mp4"))) == 2
 
 

@@ -1,0 +1,70 @@
+"""Argument checks of the env's constructor: each refuses a bad value with an error that names
+the argument and what it accepts."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from flashrt_gym.engine import Engine
+from flashrt_gym.tasks import TabletopConfig
+
+
+def choose(name: str, value: Any, options: Sequence[Any]) -> Any:
+    """``value`` if it is one of ``options``."""
+    if value not in options:
+        raise ValueError(f"{name} must be one of {list(options)}, got {value!r}")
+    return value
+
+
+def count(name: str, value: Any) -> int:
+    """``value`` as an int >= 1 (no bools, no floats)."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    return int(value)
+
+
+def positive(name: str, value: Any) -> float:
+    """``value`` as a finite float > 0."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.floating)) or not 0 < value < np.inf:
+        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+    return float(value)
+
+
+def tabletop_config(task: TabletopConfig | dict | None) -> TabletopConfig:
+    """The built-in tabletop's configuration from a config, a dict of its fields, or None."""
+    if task is None or isinstance(task, TabletopConfig):
+        return task or TabletopConfig()
+    if not isinstance(task, dict):
+        raise TypeError(f"task must be a TabletopConfig or a dict of its fields, got {type(task).__name__}")
+    return TabletopConfig(**task)
+
+
+def default_start_cache_bytes(engine: Engine) -> int:
+    """One set of starts where that is at most 1/16 of the device's memory, else none."""
+    if engine.device.type == "cuda":
+        total = torch.cuda.get_device_properties(engine.device).total_memory
+    else:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    one = engine.bufs.state_nbytes
+    return one if one <= total // 16 else 0
+
+
+def slot_list(slots: Any, num_envs: int, what: str) -> list[int]:
+    """``slots`` as a non-empty list of distinct slot indices in range (no negatives, no bools)."""
+    want = f"distinct integers in [0, {num_envs})"
+    if isinstance(slots, (str, bytes)) or not isinstance(slots, (Sequence, range, np.ndarray, torch.Tensor)):
+        raise TypeError(f"{what}: slots must be a sequence of {want}, got {type(slots).__name__}")
+    items = slots.tolist() if isinstance(slots, (np.ndarray, torch.Tensor)) else list(slots)
+    if any(isinstance(s, bool) or not isinstance(s, (int, np.integer)) for s in items):
+        raise TypeError(f"{what}: slots must be {want}, got {items!r:.80}")
+    out = [int(s) for s in items]
+    if not out:
+        raise ValueError(f"{what}: empty list of slots; name at least one slot in [0, {num_envs})")
+    if any(not 0 <= s < num_envs for s in out) or len(set(out)) != len(out):
+        raise ValueError(f"{what}: slots must be {want}, got {out}")
+    return out
