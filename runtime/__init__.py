@@ -5,22 +5,14 @@ models, environments, sessions or rewards.
 """
 
 from flashrt.runtime.buffers import ALIGN, BufferSet, BufferSpec, scratch, shared, slot
-from flashrt.runtime.capsule import (
-    Capsule,
-    CapsuleError,
-    CapsuleFileError,
-    DeploymentMismatchError,
-    LayoutMismatchError,
-    fork,
-    restore,
-    rollback,
-    snapshot,
-)
+from flashrt.runtime.capsule import Capsule, snapshot
+from flashrt.runtime.descriptor import CapsuleError, CapsuleFileError, DeploymentMismatchError, LayoutMismatchError
 from flashrt.runtime.files import atomic_write
 from flashrt.runtime.graphs import Graph, MissingVariantError
 from flashrt.runtime.registry import CapsuleRegistry, RegistryStats
 from flashrt.runtime.slots import copy_rows, masked_restore
 from flashrt.runtime.streams import Event, Stream
+from flashrt.runtime.verbs import fork, restore, rollback
 
 __version__ = "0.1.0"
 

@@ -49,7 +49,7 @@ def dtype_from_name(name: str) -> torch.dtype:
     """Inverse of :func:`dtype_name`; raises ``ValueError`` for an unknown name."""
     dtype = getattr(torch, name, None)
     if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"unknown dtype name {name!r}")
+        raise ValueError(f"unknown dtype name {name!r}; use a torch dtype name such as 'float32' or 'bfloat16'")
     return dtype
 
 
@@ -73,13 +73,15 @@ class BufferSpec:
     def __post_init__(self) -> None:
         object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
         if not self.name or not isinstance(self.name, str):
-            raise ValueError(f"buffer name must be a non-empty string, got {self.name!r}")
+            raise ValueError(f"buffer name must be a non-empty string, got {self.name!r}; name every buffer")
         if self.kind not in KINDS:
             raise ValueError(f"buffer {self.name!r}: kind must be one of {KINDS}, got {self.kind!r}")
         if any(d < 0 for d in self.shape):
-            raise ValueError(f"buffer {self.name!r}: negative dimension in shape {self.shape}")
+            raise ValueError(f"buffer {self.name!r}: negative dimension in shape {self.shape}; sizes are >= 0")
         if not isinstance(self.dtype, torch.dtype):
-            raise TypeError(f"buffer {self.name!r}: dtype must be a torch.dtype, got {self.dtype!r}")
+            raise TypeError(
+                f"buffer {self.name!r}: dtype must be a torch.dtype (e.g. torch.float32), got {self.dtype!r}"
+            )
 
     @property
     def numel(self) -> int:
@@ -149,11 +151,11 @@ class BufferSet(Mapping[str, torch.Tensor]):
         deployment: str = "",
     ) -> None:
         if int(num_slots) < 1:
-            raise ValueError(f"num_slots must be >= 1, got {num_slots}")
+            raise ValueError(f"num_slots must be >= 1 (slot buffers have one row per slot), got {num_slots}")
         names = [s.name for s in specs]
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
-            raise ValueError(f"duplicate buffer names: {dupes}")
+            raise ValueError(f"duplicate buffer names: {dupes}; give each buffer its own name")
         self.num_slots = int(num_slots)
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:  # one canonical name per device

@@ -1,25 +1,18 @@
 """Execution-state capsules: the byte image of a buffer set's live state at a boundary.
 
-Verbs (all byte copies; nothing is recomputed or recaptured):
-
-- :func:`snapshot` copies the state of all or selected slots (and buffers) out;
-- :func:`restore` copies a capsule back, all-or-nothing: every check runs before any byte moves;
-- :func:`fork` copies one boundary (a capsule's slot or a live slot) into N slots;
-- :func:`rollback` restores an earlier boundary of the same buffer set.
-
-A capsule lives in one tier at a time: ``gpu`` (the origin device), ``host`` (pinned memory,
-asynchronous copies) or ``disk`` (a safetensors file written atomically, its descriptor and data
-under one checksum verified on load: :mod:`flashrt.runtime.capsule_file`). A capsule's bytes are
-never written in place once taken: a move between tiers makes new tensors, so two capsule
-objects may share bytes safely.
+:func:`snapshot` copies the state of all or selected slots (and buffers) out into a
+:class:`Capsule`, and :func:`check` says whether one can go back into a buffer set;
+:mod:`flashrt.runtime.verbs` copies it back. A capsule lives in one tier at a time: ``gpu``
+(the origin device), ``host`` (pinned memory, asynchronous copies) or ``disk`` (a safetensors
+file written atomically, its descriptor and data under one checksum verified on load:
+:mod:`flashrt.runtime.capsule_file`). A capsule's bytes are never written in place once taken:
+a move between tiers makes new tensors, so two capsule objects may share bytes safely.
 """
 
 from __future__ import annotations
 
 import json
-import operator
 import os
-from array import array
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -38,7 +31,7 @@ from flashrt.runtime.descriptor import (
     LayoutMismatchError,
     align,
 )
-from flashrt.runtime.slots import copy_rows
+from flashrt.runtime.slots import index_tensor, slot_index
 from flashrt.runtime.streams import Event, Stream
 
 Tier = Literal["gpu", "host", "disk"]
@@ -82,6 +75,7 @@ class Capsule:
         self.path = path
         self.ready = ready or Event()
         self.checked_for: str | None = None  # uid of the last buffer set this capsule was checked against
+        self._digest: str | None = None  # checksum of the file at ``path`` as this capsule wrote or read it
 
     @property
     def meta(self) -> dict[str, Any]:
@@ -140,12 +134,13 @@ class Capsule:
         file.
         """
         moved = self.moved(tier, path=path, stream=stream)
-        self.rows, self.shared, self.tier, self.path, self.ready = (
+        self.rows, self.shared, self.tier, self.path, self.ready, self._digest = (
             moved.rows,
             moved.shared,
             moved.tier,
             moved.path,
             moved.ready,
+            moved._digest,
         )
         return self
 
@@ -162,9 +157,9 @@ class Capsule:
         elif tier == "disk":
             target = Path(path) if path is not None else self.path
             if target is None:
-                raise ValueError("moving a capsule to the disk tier needs path=...")
-            self._write(target)
+                raise ValueError("moving a capsule to the disk tier needs path=... (it has not been saved before)")
             out = Capsule(d, None, None, tier="disk", device=self.device, path=target)
+            out._digest = self._write(target)
         elif self.tier == "disk":
             out = _loaded(self, self.device, tier)
             out.path = self.path
@@ -178,6 +173,7 @@ class Capsule:
                 ready = Event.record_on(stream)
             out = Capsule(d, rows, shared, tier=tier, device=self.device, path=self.path, ready=ready)
         out.origin, out.checked_for = self.origin, self.checked_for
+        out._digest = out._digest or self._digest
         return out
 
     # -- disk --------------------------------------------------------------------------------
@@ -194,11 +190,11 @@ class Capsule:
                     f"capsule is on disk at {self.path}; promote it (capsule.to('host')) before saving elsewhere"
                 )
             return path
-        self._write(path)
+        self._digest = self._write(path)
         self.path = path
         return path
 
-    def _write(self, path: Path) -> None:
+    def _write(self, path: Path) -> str:
         d = self.descriptor
         odd = [f"{e.name} ({e.dtype})" for e in d.entries if e.dtype not in DTYPES or e.name == "__metadata__"]
         if odd:
@@ -208,7 +204,7 @@ class Capsule:
             )
         assert self.rows is not None and self.shared is not None
         self.ready.synchronize()
-        capsule_file.save(path, d, self.rows.cpu(), self.shared.cpu())
+        return capsule_file.save(path, d, self.rows.cpu(), self.shared.cpu())
 
     @classmethod
     def load(cls, path: str | os.PathLike, *, device: torch.device | str = "cpu", tier: Tier = "gpu") -> Capsule:
@@ -219,7 +215,7 @@ class Capsule:
         if tier not in ("gpu", "host"):
             raise ValueError(f"load into the 'gpu' or 'host' tier, got {tier!r}")
         path, device = Path(path), torch.device(device)
-        desc, data = capsule_file.read(path)
+        desc, data, digest = capsule_file.read(path)
         rows, shared = capsule_file.unpack(desc, data, pin_memory=tier == "host" and device.type == "cuda")
         del data
         stream = Stream.current(device)
@@ -227,13 +223,15 @@ class Capsule:
             if tier == "gpu":
                 rows, shared = rows.to(device, non_blocking=True), shared.to(device, non_blocking=True)
             ready = Event.record_on(stream)
-        return cls(desc, rows, shared, tier=tier, device=device, path=path, ready=ready)
+        capsule = cls(desc, rows, shared, tier=tier, device=device, path=path, ready=ready)
+        capsule._digest = digest
+        return capsule
 
 
 def _loaded(capsule: Capsule, device: torch.device, tier: Tier = "gpu") -> Capsule:
     """The bytes of a disk-tier capsule, read and verified, in ``tier`` on ``device``."""
     loaded = Capsule.load(capsule.path, device=device, tier=tier)  # type: ignore[arg-type]
-    if loaded.descriptor != capsule.descriptor:
+    if loaded.descriptor != capsule.descriptor or capsule._digest not in (None, loaded._digest):
         raise CapsuleFileError(
             f"{capsule.path} now holds another capsule than the one saved there (it was replaced on disk); "
             "take a new snapshot"
@@ -255,30 +253,6 @@ def _copy_to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 # -- verbs ---------------------------------------------------------------------------------------
-def _slot_index(bufs: BufferSet, slots: Sequence[int] | torch.Tensor, what: str) -> tuple[int, ...]:
-    # Host cost matters here (a fork of 1024 slots is ~80 us on the GPU): builtins over the
-    # whole list, no per-element Python loop.
-    if isinstance(slots, torch.Tensor):
-        slots = slots.tolist()
-    try:
-        out = tuple(map(operator.index, slots))
-    except TypeError:
-        raise TypeError(f"{what}: slots must be integers, got {slots!r:.80}") from None
-    if not out:
-        raise ValueError(f"{what}: empty slot list")
-    if min(out) < 0 or max(out) >= bufs.num_slots:
-        bad = [s for s in out if not 0 <= s < bufs.num_slots]
-        raise IndexError(f"{what}: slots {bad} out of range for a set of {bufs.num_slots} slots")
-    if len(set(out)) != len(out):
-        raise ValueError(f"{what}: duplicate slots in {list(out)}")
-    return out
-
-
-def _index_tensor(bufs: BufferSet, slots: tuple[int, ...]) -> torch.Tensor:
-    # array('q') packs the ints in C; torch.tensor(tuple) costs ~90 us at 1024 slots.
-    return torch.frombuffer(array("q", slots), dtype=torch.int64).to(bufs.device, non_blocking=True)
-
-
 def snapshot(
     bufs: BufferSet,
     slots: Sequence[int] | torch.Tensor | None = None,
@@ -318,7 +292,7 @@ def snapshot(
             if sh:
                 raise ValueError(f"snapshot: shared buffers {sh} have no slots; snapshot them with slots=None")
     meta = _json_meta(meta)
-    slot_tuple = None if slots is None else _slot_index(bufs, slots, "snapshot")
+    slot_tuple = None if slots is None else slot_index(bufs, slots, "snapshot")
 
     # A kind whose buffers are all chosen keeps the arena's own layout (one copy each way);
     # otherwise the chosen buffers are packed.
@@ -349,7 +323,7 @@ def snapshot(
     with stream:
         arena, fresh = bufs.slot_arena, False
         if slot_tuple is not None:
-            arena, fresh = arena.index_select(0, _index_tensor(bufs, slot_tuple)), True
+            arena, fresh = arena.index_select(0, index_tensor(bufs, slot_tuple)), True
         rows = _gather(bufs, arena, [e for e in entries if e.kind == "slot"], whole["slot"], fresh, target)
         shared_2d = bufs.shared_arena.view(1, -1)
         shared = _gather(bufs, shared_2d, [e for e in entries if e.kind == "shared"], whole["shared"], False, target)
@@ -396,7 +370,7 @@ def check(bufs: BufferSet, capsule: Capsule) -> None:
             f"capsule was made by deployment {d.deployment!r}, this buffer set is {bufs.deployment!r} "
             "(different model config, weights or kernel version); restore it where it was made"
         )
-    whole = _whole(bufs, d)
+    whole = whole_kinds(bufs, d)
     for e in d.entries:
         if e.name not in bufs:
             raise LayoutMismatchError(
@@ -418,48 +392,7 @@ def check(bufs: BufferSet, capsule: Capsule) -> None:
     capsule.checked_for = bufs.uid  # a set never changes layout: check each pair once
 
 
-def restore(
-    bufs: BufferSet,
-    capsule: Capsule,
-    slots: Sequence[int] | torch.Tensor | None = None,
-    *,
-    stream: Stream | None = None,
-) -> None:
-    """Copy a capsule's bytes back into ``bufs``; all-or-nothing.
-
-    Args:
-        bufs: the target set (same deployment; the capsule's buffers must exist there with the
-            same kind, shape and dtype).
-        capsule: from :func:`snapshot` or :meth:`Capsule.load`, in any tier (a disk capsule is
-            read and verified first).
-        slots: target slots, one per captured slot, in row order. Default: the slots the
-            capsule was taken from (every slot for a whole-set capsule).
-        stream: stream to copy on.
-
-    Raises:
-        DeploymentMismatchError, LayoutMismatchError, CapsuleFileError, IndexError, ValueError:
-            before any byte is written.
-    """
-    check(bufs, capsule)
-    d = capsule.descriptor
-    if slots is None and d.slots is None:
-        dst = tuple(range(bufs.num_slots))
-    else:
-        dst = _slot_index(bufs, d.slots if slots is None else slots, "restore")
-    if len(dst) != d.num_rows:
-        raise ValueError(
-            f"restore: the capsule holds {d.num_rows} slots but {len(dst)} target slots were given; "
-            "pass one target slot per captured slot"
-        )
-    src = _loaded(capsule, bufs.device) if capsule.tier == "disk" else capsule
-    assert src.rows is not None and src.shared is not None
-    stream = stream or Stream.current(bufs.device)
-    with stream:
-        stream.wait(src.ready)
-        _write(bufs, d, src.rows, src.shared, dst)
-
-
-def _whole(bufs: BufferSet, d: Descriptor) -> dict[str, bool]:
+def whole_kinds(bufs: BufferSet, d: Descriptor) -> dict[str, bool]:
     """Per kind, whether the capsule holds that arena of ``bufs`` byte for byte (this set's layout,
     every buffer, the arena's size): restoring it is then one copy of the arena."""
     same = d.layout == bufs.layout_digest
@@ -468,105 +401,3 @@ def _whole(bufs: BufferSet, d: Descriptor) -> dict[str, bool]:
         "slot": same and d.row_bytes == bufs.row_bytes and names["slot"] == set(bufs.names("slot")),
         "shared": same and d.shared_bytes == bufs.shared_arena.numel() and names["shared"] == set(bufs.names("shared")),
     }
-
-
-def _write(bufs: BufferSet, d: Descriptor, rows: torch.Tensor, shared: torch.Tensor, dst: tuple[int, ...]) -> None:
-    by_kind = {k: [e for e in d.entries if e.kind == k] for k in ("slot", "shared")}
-    whole = _whole(bufs, d)
-    idx = None if dst == tuple(range(bufs.num_slots)) else _index_tensor(bufs, dst)
-    if by_kind["slot"]:
-        _scatter(bufs, bufs.slot_arena, idx, rows, by_kind["slot"], whole["slot"])
-    if by_kind["shared"]:
-        _scatter(bufs, bufs.shared_arena.view(1, -1), None, shared.view(1, -1), by_kind["shared"], whole["shared"])
-
-
-def _scatter(
-    bufs: BufferSet, dst: torch.Tensor, idx: torch.Tensor | None, src: torch.Tensor, entries: list[Entry], whole: bool
-) -> None:
-    """Inverse of :func:`_gather`: write capsule bytes into a 2-D arena, at rows ``idx`` (all if None)."""
-    if whole and idx is None:
-        dst.copy_(src, non_blocking=True)  # straight from a host tier too: one copy
-        return
-    src = src.to(dst.device, non_blocking=True)
-    if whole:
-        copy_rows(dst, idx, src)
-    else:
-        for e in entries:
-            off = bufs.placements[e.name].offset
-            part = src[:, e.offset : e.offset + e.nbytes]
-            if idx is None:
-                dst[:, off : off + e.nbytes].copy_(part)
-            else:
-                dst[:, off : off + e.nbytes].index_put_((idx,), part)
-
-
-def fork(
-    bufs: BufferSet,
-    src: Capsule | int,
-    dst_slots: Sequence[int] | torch.Tensor,
-    *,
-    src_slot: int | None = None,
-    stream: Stream | None = None,
-) -> None:
-    """Copy one boundary into every slot of ``dst_slots`` (one row copy).
-
-    Args:
-        bufs: the target set.
-        src: a live slot index of ``bufs``, or a capsule holding that boundary.
-        dst_slots: target slots (may include the live source slot).
-        src_slot: for a capsule of several slots, which of its origin slots to fork.
-        stream: stream to copy on.
-    """
-    dst = _slot_index(bufs, dst_slots, "fork")
-    stream = stream or Stream.current(bufs.device)
-    if isinstance(src, Capsule):
-        check(bufs, src)
-        d = src.descriptor
-        if not any(e.kind == "slot" for e in d.entries):
-            raise ValueError("fork: the capsule holds no slot buffers")
-        origin = d.slots if d.slots is not None else tuple(range(d.num_rows))
-        if src_slot is None:
-            if len(origin) != 1:
-                raise ValueError(f"fork: the capsule holds slots {list(origin)}; name one with src_slot=")
-            src_slot = origin[0]
-        if src_slot not in origin:
-            raise ValueError(f"fork: src_slot {src_slot} is not in the capsule's slots {list(origin)}")
-        if src.tier == "disk":
-            src = _loaded(src, bufs.device)
-        assert src.rows is not None and src.shared is not None
-        i = origin.index(src_slot)
-        with stream:
-            stream.wait(src.ready)
-            row = src.rows[i : i + 1]
-            _write(bufs, _slots_only(d), row, src.shared, dst)  # one row, broadcast
-        return
-    (s,) = _slot_index(bufs, [src], "fork source")
-    with stream:
-        copy_rows(bufs.slot_arena, _index_tensor(bufs, dst), bufs.slot_arena[s : s + 1])
-
-
-def _slots_only(d: Descriptor) -> Descriptor:
-    return Descriptor(
-        tuple(e for e in d.entries if e.kind == "slot"),
-        d.layout,
-        d.deployment,
-        d.slots,
-        d.num_rows,
-        d.row_bytes,
-        0,
-        d.meta,
-    )
-
-
-def rollback(bufs: BufferSet, capsule: Capsule, *, stream: Stream | None = None) -> None:
-    """Restore an earlier boundary of this same buffer set (the slots it was taken from).
-
-    Refuses a capsule taken from another set or loaded from a file: moving state between
-    sets is :func:`restore`.
-    """
-    if capsule.origin != bufs.uid:
-        raise CapsuleError(
-            "rollback takes a capsule taken from this same buffer set; this one came from another "
-            "set or a file: use restore() to move state between sets"
-        )
-    restore(bufs, capsule, stream=stream)

@@ -71,8 +71,9 @@ def _parts(desc: Descriptor, rows: torch.Tensor, shared: torch.Tensor, e: Entry)
         yield rows[r : r + step, e.offset : e.offset + e.nbytes].contiguous().reshape(-1)
 
 
-def write(f: BinaryIO, desc: Descriptor, rows: torch.Tensor, shared: torch.Tensor) -> None:
-    """Write a capsule to the seekable binary file ``f`` (host tensors ``rows``, ``shared``).
+def write(f: BinaryIO, desc: Descriptor, rows: torch.Tensor, shared: torch.Tensor) -> str:
+    """Write a capsule to the seekable binary file ``f`` (host tensors ``rows``, ``shared``);
+    return its checksum.
 
     One pass over the data: the header goes first with a placeholder checksum of the same
     length, and is rewritten once the data has been hashed."""
@@ -86,15 +87,18 @@ def write(f: BinaryIO, desc: Descriptor, rows: torch.Tensor, shared: torch.Tenso
             view = part.numpy()
             h.update(view)
             f.write(view)
-    header = _header(desc, text, h.hexdigest())
+    digest = h.hexdigest()
+    header = _header(desc, text, digest)
     assert len(header) == len(placeholder)
     f.seek(8)
     f.write(header)
+    return digest
 
 
-def read(path: Path) -> tuple[Descriptor, torch.Tensor]:
-    """The checked descriptor and data section (uint8, on the host) of the capsule file at
-    ``path``. Raises :class:`CapsuleFileError` for anything that is not an intact capsule."""
+def read(path: Path) -> tuple[Descriptor, torch.Tensor, str]:
+    """The checked descriptor, data section (uint8, on the host) and checksum of the capsule
+    file at ``path``. Raises :class:`CapsuleFileError` for anything that is not an intact
+    capsule."""
     try:
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
@@ -109,19 +113,26 @@ def read(path: Path) -> tuple[Descriptor, torch.Tensor]:
                     )
                 got += n
     except FileNotFoundError:
-        raise CapsuleFileError(f"no capsule file at {path}") from None
+        raise CapsuleFileError(
+            f"no capsule file at {path}; check the path (was it saved, or evicted from a registry?)"
+        ) from None
     except OSError as e:
-        raise CapsuleFileError(f"{path} cannot be read as a capsule file: {e}") from None
+        raise CapsuleFileError(
+            f"{path} cannot be read as a capsule file: {e}; check the path and its permissions"
+        ) from None
     h = _hasher(text)
     h.update(data.numpy())
     if h.hexdigest() != digest:
         raise CapsuleFileError(f"{path}: checksum mismatch, the file is corrupted; take a new snapshot")
-    return desc, data
+    return desc, data, digest
 
 
 def _read_header(f: BinaryIO, path: Path, size: int) -> tuple[Descriptor, str, str]:
     def bad(why: str) -> CapsuleFileError:
-        return CapsuleFileError(f"{path} is not a readable capsule (truncated or corrupted?): {why}")
+        return CapsuleFileError(
+            f"{path} is not a readable capsule (truncated or corrupted?): {why}; it cannot be restored: take a new "
+            "snapshot (capsule files are only ever written whole, so this one was damaged or made by something else)"
+        )
 
     if size < 8:
         raise bad(f"{size} bytes, shorter than the 8-byte header length")
@@ -144,7 +155,10 @@ def _read_header(f: BinaryIO, path: Path, size: int) -> tuple[Descriptor, str, s
             f"descriptor, so it cannot be verified; this version reads {FORMAT}: take a new snapshot"
         )
     if fmt != FORMAT:
-        raise CapsuleFileError(f"{path} is a safetensors file but not a {FORMAT} capsule (format={fmt!r:.80})")
+        raise CapsuleFileError(
+            f"{path} is a safetensors file but not a {FORMAT} capsule (format={fmt!r:.80}); pass a file written "
+            "by Capsule.save"
+        )
     text, digest = meta.get("descriptor"), meta.get("sha256")
     if not isinstance(text, str) or not isinstance(digest, str):
         raise bad("__metadata__ needs string fields 'descriptor' and 'sha256'")
@@ -173,6 +187,8 @@ def unpack(desc: Descriptor, data: torch.Tensor, *, pin_memory: bool = False) ->
     return rows, shared
 
 
-def save(path: Path, desc: Descriptor, rows: torch.Tensor, shared: torch.Tensor) -> Path:
-    """Write atomically (one temporary file beside ``path``)."""
-    return atomic_write(path, lambda f: write(f, desc, rows, shared))
+def save(path: Path, desc: Descriptor, rows: torch.Tensor, shared: torch.Tensor) -> str:
+    """Write atomically (one temporary file beside ``path``); return the file's checksum."""
+    digest = []
+    atomic_write(path, lambda f: digest.append(write(f, desc, rows, shared)))
+    return digest[0]

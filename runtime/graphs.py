@@ -142,7 +142,10 @@ class Graph:
             return
         device = self.device
         if device.type != "cuda":
-            raise ValueError(f"graph {self.name!r}: the cuda backend needs CUDA buffers, got {device}")
+            raise ValueError(
+                f"graph {self.name!r}: the cuda backend needs CUDA buffers, got {device}; bind a set on a CUDA "
+                "device, or use backend='eager'"
+            )
         b = self.bufs
         saved = b.slot_arena.clone(), b.shared_arena.clone()
         side = stream.cuda if stream is not None and stream.cuda is not None else torch.cuda.Stream(device)
@@ -193,7 +196,10 @@ class Graph:
         waits until that replay's guard has run, not for the body."""
         v = self._variants.get(key)
         if v is None or v.held is None:
-            raise ValueError(f"graph {self.name!r}: variant {key!r} is not a captured guarded variant")
+            raise ValueError(
+                f"graph {self.name!r}: variant {key!r} is not a captured guarded variant; capture it with guard=... "
+                "to learn whether a replay ran its body"
+            )
         return v.held()
 
     def _put(self, key: Hashable, v: _Variant) -> None:

@@ -116,7 +116,10 @@ class GuardedGraph:
         if self._exec is not None:
             err = self._lib.flashrt_graph_launch(self._exec, ctypes.c_void_p(stream.cuda_stream))
             if err:
-                raise RuntimeError(f"runtime.guarded: cudaGraphLaunch failed with cudaError {err}")
+                raise RuntimeError(
+                    f"runtime.guarded: cudaGraphLaunch failed with cudaError {err}; rerun with CUDA_LAUNCH_BLOCKING=1 "
+                    "to find the failing kernel"
+                )
         else:
             self._graphs[0].replay()
             value = bool(self.flag.reshape(()))  # waits for the guard
@@ -136,7 +139,10 @@ class GuardedGraph:
                 return bool(word & 1)
             spins += 1
             if spins % 1024 == 0 and self._done.query() and int(self._word[0]) >> 1 != want:
-                raise RuntimeError("runtime.guarded: the launch finished without reporting its guard")
+                raise RuntimeError(
+                    "runtime.guarded: the launch finished without reporting its guard (the conditional graph did "
+                    "not run its flag kernel); rerun with CUDA_LAUNCH_BLOCKING=1 and report the driver version"
+                )
 
     def __del__(self) -> None:
         if getattr(self, "_exec", None) is not None:

@@ -170,9 +170,11 @@ class CapsuleRegistry:
         over-budget tiers then demote their LRU unpinned capsules. Returns a new capsule object
         over the entry, as :meth:`get` does."""
         if not isinstance(name, str) or not _NAME.fullmatch(name):
-            raise ValueError(f"capsule name {name!r} must match {_NAME.pattern}")
+            raise ValueError(
+                f"capsule name {name!r} must match {_NAME.pattern}: letters, digits, '_', '.', '-', no path separators"
+            )
         if not isinstance(capsule, Capsule):
-            raise TypeError(f"put takes a Capsule, got {type(capsule).__name__}")
+            raise TypeError(f"put takes a Capsule (from snapshot() or Capsule.load), got {type(capsule).__name__}")
         if capsule.nbytes == 0:
             raise CapsuleError(
                 f"capsule {name!r} holds no state bytes, so no budget would bound how many such entries are kept; "
@@ -196,12 +198,7 @@ class CapsuleRegistry:
                 )
             target = fits[0]
         entry = _Item(capsule.moved(capsule.tier), pin)
-        order = [n for n in self._items if n != name] + [name]
-        state = {n: (it.capsule.tier, it.capsule.nbytes, it.pinned) for n, it in self._items.items()}
-        state[name] = (target, capsule.nbytes, pin)
-        moves = self._settle(order, state)
-        moves[name] = moves.get(name, target)
-        self._apply(moves, {name: entry}, dropped=old)
+        self._apply(self._plan(name, (target, capsule.nbytes, pin)), {name: entry}, dropped=old)
         return entry.capsule.moved(entry.capsule.tier)
 
     def get(self, name: str) -> Capsule:
@@ -217,11 +214,7 @@ class CapsuleRegistry:
         if not it.pinned:
             up = [t for t in TIERS[: TIERS.index(it.capsule.tier)] if self._room(t) >= it.capsule.nbytes]
             if up:
-                order = [n for n in self._items if n != name] + [name]
-                state = {n: (i.capsule.tier, i.capsule.nbytes, i.pinned) for n, i in self._items.items()}
-                state[name] = (up[0], it.capsule.nbytes, False)
-                moves = self._settle(order, state)
-                moves[name] = moves.get(name, up[0])
+                moves = self._plan(name, (up[0], it.capsule.nbytes, False))
         self._apply(moves, {})
         self._stats.hits += 1
         self._items.move_to_end(name)
@@ -237,12 +230,14 @@ class CapsuleRegistry:
     def unpin(self, name: str) -> None:
         """Make ``name`` movable again; it may be demoted now if its tier is over budget."""
         it = self._item(name)
-        state = {n: (i.capsule.tier, i.capsule.nbytes, i.pinned and n != name) for n, i in self._items.items()}
+        state = self._state()
+        state[name] = (it.capsule.tier, it.capsule.nbytes, False)
         self._apply(self._settle(list(self._items), state), {})
         it.pinned = False
 
     def evict(self, name: str) -> Capsule:
-        """Remove ``name`` (pinned or not) and delete its disk file if the registry wrote it."""
+        """Remove ``name`` (pinned or not) and delete its disk file if the registry wrote it (a
+        disk-tier capsule returned then has no file any more)."""
         it = self._item(name)
         self._apply({name: None}, {})
         return it.capsule
@@ -263,6 +258,18 @@ class CapsuleRegistry:
         """Bytes an unpinned capsule may take in ``tier``: its budget less its pinned bytes."""
         budget = self.budgets[tier]
         return float("inf") if budget is None else budget - self.used(tier, pinned_only=True)
+
+    def _state(self) -> dict[str, tuple[Tier, int, bool]]:
+        return {n: (it.capsule.tier, it.capsule.nbytes, it.pinned) for n, it in self._items.items()}
+
+    def _plan(self, name: str, record: tuple[Tier, int, bool]) -> dict[str, Tier | None]:
+        """The moves that enter ``name`` as the most recently used capsule in ``record``'s tier
+        and then settle every tier (``name``'s own move included)."""
+        state = self._state()
+        state[name] = record
+        moves = self._settle([n for n in self._items if n != name] + [name], state)
+        moves.setdefault(name, record[0])
+        return moves
 
     def _settle(self, order: list[str], state: dict[str, tuple[Tier, int, bool]]) -> dict[str, Tier | None]:
         """The moves (new tier, or None: evicted) that bring every tier within budget, for

@@ -9,9 +9,14 @@ restore is how finished env slots are reset in the step graph.
 
 from __future__ import annotations
 
+import operator
+from array import array
+from collections.abc import Sequence
+
 import torch
 
 from flashrt.kernels.slot_copy import masked_copy_rows, scatter_rows
+from flashrt.runtime.buffers import BufferSet
 
 
 def _words(rows: torch.Tensor) -> torch.Tensor:
@@ -49,3 +54,32 @@ def masked_restore(
             not ``num_slots``).
     """
     masked_copy_rows(_words(arena), _words(src_rows), mask, index)
+
+
+def slot_index(bufs: BufferSet, slots: Sequence[int] | torch.Tensor, what: str) -> tuple[int, ...]:
+    """``slots`` as a tuple of ints, checked against ``bufs`` (integers, at least one, in range,
+    no duplicates); ``what`` names the verb in the error."""
+    # Host cost matters here (a fork's copy is a few microseconds of device work): builtins over
+    # the whole list, no per-element Python loop.
+    if isinstance(slots, torch.Tensor):
+        slots = slots.tolist()
+    try:
+        out = tuple(map(operator.index, slots))
+    except TypeError:
+        raise TypeError(f"{what}: slots must be integers, got {slots!r:.80}") from None
+    if not out:
+        raise ValueError(f"{what}: empty slot list; name at least one slot")
+    if min(out) < 0 or max(out) >= bufs.num_slots:
+        bad = [s for s in out if not 0 <= s < bufs.num_slots]
+        raise IndexError(
+            f"{what}: slots {bad} out of range for a set of {bufs.num_slots} slots; use 0..{bufs.num_slots - 1}"
+        )
+    if len(set(out)) != len(out):
+        raise ValueError(f"{what}: duplicate slots in {list(out)}; name each slot once")
+    return out
+
+
+def index_tensor(bufs: BufferSet, slots: tuple[int, ...]) -> torch.Tensor:
+    """The int64 index tensor of ``slots`` on the set's device (asynchronous from the host)."""
+    # array('q') packs the ints in C, far faster than torch.tensor(tuple) for many slots.
+    return torch.frombuffer(array("q", slots), dtype=torch.int64).to(bufs.device, non_blocking=True)

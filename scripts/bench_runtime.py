@@ -4,7 +4,9 @@ For state sizes from 1 KB to 1 GB (a 64-slot BufferSet of mixed dtypes, fewer sl
 small) it times, on one GPU: snapshot / restore / fork on the gpu tier, snapshot to and
 promotion from the host tier (pinned), and the plain copies of the same bytes that bound them
 (device-to-device, device-to-host, host-to-device). It then measures what a masked restore of
-one slot adds to a captured graph replay of a 64-slot set.
+one slot adds to a captured graph replay of a 64-slot set, and the disk tier: saving a capsule
+file (one pass: data and checksum, fsync, rename) and loading it onto the GPU (read, verify,
+copy), each beside writing or reading the same bytes as a plain file.
 
     python scripts/bench_runtime.py --out runtime.json
 """
@@ -13,15 +15,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import tempfile
+import time
 from pathlib import Path
 
 import torch
 from benchlib import cuda_time, provenance
 
-from flashrt.runtime import BufferSet, Graph, fork, masked_restore, restore, slot, snapshot
+from flashrt.runtime import BufferSet, Capsule, Graph, fork, masked_restore, restore, slot, snapshot
 
 SIZES = [1 << 10, 10 << 10, 100 << 10, 1 << 20, 10 << 20, 100 << 20, 1 << 30]
+DISK_SIZES = [1 << 20, 10 << 20, 100 << 20, 1 << 30]
 
 
 def make_set(total: int) -> BufferSet:
@@ -104,6 +110,49 @@ def bench_masked_restore(row_bytes: int, reps: int) -> dict:
     }
 
 
+def median_ms(fn, reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(times)
+
+
+def bench_disk(size: int, reps: int, folder: Path) -> dict:
+    """Capsule save and load onto the GPU against a plain write (with fsync) and read of as many
+    bytes, all in ``folder`` (the page cache serves the reads, as it serves a registry's)."""
+    b = make_set(size)
+    cap = snapshot(b)
+    n = cap.nbytes
+    raw = os.urandom(n)
+    path, plain = folder / "c.safetensors", folder / "plain.bin"
+
+    def write_plain() -> None:
+        with open(plain, "wb") as f:
+            f.write(raw)
+            f.flush()
+            os.fsync(f.fileno())
+
+    def read_plain() -> None:
+        torch.frombuffer(bytearray(plain.read_bytes()), dtype=torch.uint8).to("cuda").sum().item()
+
+    def load() -> None:
+        Capsule.load(path, device="cuda").ready.synchronize()
+
+    r = max(3, min(reps, (2 << 30) // n))
+    rec = {
+        "bytes": n,
+        "save_ms": median_ms(lambda: cap.save(path), r),
+        "floor_write_fsync_ms": median_ms(write_plain, r),
+        "load_gpu_ms": median_ms(load, r),
+        "floor_read_to_gpu_ms": median_ms(read_plain, r),
+    }
+    path.unlink()
+    plain.unlink()
+    return rec
+
+
 def fmt_bytes(n: int) -> str:
     for unit in ("B", "KB", "MB", "GB"):
         if n < 1024 or unit == "GB":
@@ -116,6 +165,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=Path("bench_runtime.json"))
     ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--disk-dir", type=Path, default=None, help="folder for the disk-tier files (default: $TMPDIR)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_runtime.py measures GPU copies: run it on a machine with a CUDA GPU")
@@ -125,10 +175,13 @@ def main() -> None:
         sizes.append(bench_size(size, args.reps))
         torch.cuda.empty_cache()
     graph = [bench_masked_restore(row, max(args.reps, 200)) for row in (16 << 10, 256 << 10, 1536 << 10)]
+    with tempfile.TemporaryDirectory(dir=args.disk_dir) as folder:
+        disk = [bench_disk(size, min(args.reps, 10), Path(folder)) for size in DISK_SIZES]
     result = {
         **provenance(),
         "sizes": sizes,
         "masked_restore_in_graph": graph,
+        "disk": disk,
     }
     args.out.write_text(json.dumps(result, indent=2))
 
@@ -150,6 +203,12 @@ def main() -> None:
             f"  row {fmt_bytes(r['row_bytes']):>9}: replay {r['replay_us']:.1f} µs -> "
             f"{r['replay_with_masked_restore_us']:.1f} µs (+{r['added_us']:.1f} µs; "
             f"restore alone {r['masked_restore_alone_us']:.1f} µs)"
+        )
+    print("\ndisk tier (median ms): save vs plain write+fsync | load onto the GPU vs plain read+copy")
+    for r in disk:
+        print(
+            f"  {fmt_bytes(r['bytes']):>9}: save {r['save_ms']:8.1f} ({r['floor_write_fsync_ms']:.1f}) | "
+            f"load {r['load_gpu_ms']:8.1f} ({r['floor_read_to_gpu_ms']:.1f})"
         )
     print(f"\nwrote {args.out}")
 

@@ -319,3 +319,17 @@ def test_tensor_of_a_disk_capsule_or_an_empty_buffer(tmp_path):
     with pytest.raises(CapsuleError, match=r"on disk .*d\.safetensors.*capsule\.to\('host'\)"):
         cap.tensor("x")
     assert torch.equal(cap.to("host").tensor("x"), b["x"])
+
+
+def test_a_file_replaced_by_another_snapshot_of_the_same_layout_is_refused(tmp_path):
+    b = toy.make(3)
+    cap = snapshot(b).to("disk", path=tmp_path / "c.safetensors")
+    toy.step(b)
+    snapshot(b).save(tmp_path / "later.safetensors")  # same descriptor, other bytes
+    (tmp_path / "later.safetensors").replace(cap.path)
+    toy.scramble(b)
+    before = toy.state_bytes(b)
+    for use in (lambda: restore(b, cap), lambda: cap.to("host"), lambda: fork(b, cap, [0], src_slot=1)):
+        with pytest.raises(CapsuleFileError, match="now holds another capsule"):
+            use()
+    assert toy.same_state(b, before) and cap.tier == "disk"

@@ -2,9 +2,21 @@
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
-from flashrt.runtime import CapsuleRegistry, Graph, copy_rows, fork, masked_restore, restore, snapshot
+from flashrt.runtime import (
+    Capsule,
+    CapsuleFileError,
+    CapsuleRegistry,
+    Graph,
+    copy_rows,
+    fork,
+    masked_restore,
+    restore,
+    snapshot,
+)
 from tests.runtime import toy
+from tests.runtime.filebytes import edited
 
 pytestmark = pytest.mark.cuda
 
@@ -145,3 +157,85 @@ def test_a_guarded_graph_runs_its_body_only_where_the_guard_holds(conditional, m
         assert g.held(1)
     eager = replayed(8, 5, "eager")
     assert torch.equal(b.slot_arena, eager.slot_arena) and torch.equal(b.shared_arena, eager.shared_arena)
+
+
+@pytest.mark.parametrize("missing", ["hist", "counter", "tick"])
+def test_restoring_part_of_the_state_diverges_under_graph_replay(missing):
+    b = toy.make(8, "cuda")
+    g = Graph("toy").bind(b)
+    g.capture(8, lambda: toy.step(b))
+    for _ in range(5):
+        g.replay(8)
+    full = snapshot(b)
+    partial = snapshot(b, names=[n for n in b.names("slot", "shared") if n != missing])
+    for _ in range(20):
+        g.replay(8)
+    uninterrupted = toy.state_bytes(b)
+    for cap, equal in ((full, True), (partial, False)):  # the full capsule is the mutation check's control
+        toy.scramble(b, 5)
+        for _ in range(4):
+            g.replay(8)
+        restore(b, cap)
+        for _ in range(20):
+            g.replay(8)
+        torch.cuda.synchronize()
+        assert toy.same_state(b, uninterrupted) is equal
+
+
+@pytest.mark.parametrize("tier", ["gpu", "host"])
+def test_corrupted_truncated_foreign_and_missing_files_are_refused_onto_the_gpu(tmp_path, tier):
+    b = toy.make(3, "cuda")
+    toy.step(b)
+    path = snapshot(b, meta={"step": 1}).save(tmp_path / "c.safetensors")
+    raw = path.read_bytes()
+    flipped = bytearray(raw)
+    flipped[-5] ^= 0xFF
+    foreign = tmp_path / "weights.safetensors"
+    save_file({"w": torch.zeros(2)}, foreign)
+    cases = {
+        "flipped.safetensors": (bytes(flipped), "checksum mismatch"),
+        "meta.safetensors": (edited(raw, lambda d: d["meta"].update(step=2), sign=False), "checksum mismatch"),
+        "forged.safetensors": (edited(raw, lambda d: d.update(row_bytes=500_000_000), sign=True), "row_bytes is"),
+        "truncated.safetensors": (raw[:-40], "truncated or corrupted"),
+        "garbage.safetensors": (b"\x05\x00\x00\x00\x00\x00\x00\x00{not json", "truncated or corrupted"),
+    }
+    for name, (data, match) in cases.items():
+        (tmp_path / name).write_bytes(data)
+        with pytest.raises(CapsuleFileError, match=match):
+            Capsule.load(tmp_path / name, device="cuda", tier=tier)
+    with pytest.raises(CapsuleFileError, match="not a flashrt-capsule"):
+        Capsule.load(foreign, device="cuda", tier=tier)
+    with pytest.raises(CapsuleFileError, match="no capsule file"):
+        Capsule.load(tmp_path / "absent.safetensors", device="cuda", tier=tier)
+    good = Capsule.load(path, device="cuda", tier=tier)
+    assert good.rows.is_cuda if tier == "gpu" else good.rows.is_pinned()
+    target = toy.make(3, "cuda")
+    toy.scramble(target)
+    restore(target, good)
+    torch.cuda.synchronize()
+    assert toy.same_state(target, b)
+
+
+def test_a_bad_file_never_reaches_cuda_buffers(tmp_path):
+    b = toy.make(4, "cuda")
+    toy.step(b)
+    whole = snapshot(b).to("disk", path=tmp_path / "whole.safetensors")
+    one = snapshot(b, [2]).to("disk", path=tmp_path / "one.safetensors")
+    toy.step(b)
+    snapshot(b).save(tmp_path / "other.safetensors")
+    toy.scramble(b)
+    torch.cuda.synchronize()
+    before = toy.state_bytes(b)
+    data = bytearray(whole.path.read_bytes())
+    data[-1] ^= 0x01
+    whole.path.write_bytes(bytes(data))
+    with pytest.raises(CapsuleFileError, match="checksum mismatch"):
+        restore(b, whole)
+    one.path.write_bytes(one.path.read_bytes()[:-3])
+    with pytest.raises(CapsuleFileError, match="truncated or corrupted"):
+        fork(b, one, [0, 1, 3])
+    (tmp_path / "other.safetensors").replace(whole.path)  # a valid capsule of this layout, but not this one
+    with pytest.raises(CapsuleFileError, match="now holds another capsule"):
+        restore(b, whole)
+    torch.cuda.synchronize()
+    assert toy.same_state(b, before)
