@@ -135,7 +135,7 @@ def dependent_launch(device: torch.device, programs: int) -> dict[str, bool]:
     still needs, and are throughput-bound anyway. The launch is dependent only inside a capture:
     in eager calls the kernel ahead may have just written a weight that a kernel loads before
     :func:`inputs_ready` (an optimizer step); in a graph no node writes a weight the graph reads
-    (derived weights are refreshed by the capture's warm-up; ``policies.model.Folded`` refuses a
+    (derived weights are refreshed by the capture's warm-up; ``policies.layers.Folded`` refuses a
     refresh inside a capture). Eager and captured launches of one shape run the same compiled
     kernel."""
     gdc = grid_dependency(device) and programs <= sm_count(device)

@@ -130,7 +130,7 @@ def expert_layer(
 ) -> torch.Tensor:
     """One decoder layer over ``x`` (N, 8, 192) in place (returned), attending to ``context``
     (up to three segments of keys/values (N, 1, T_i, 64) and bool masks (N, T_i) or None) and to
-    its own tokens at positions ``pos0 + t`` ((N,) int64); as ``policies.model.DecoderLayer.forward``
+    its own tokens at positions ``pos0 + t`` ((N,) int64); as ``policies.layers.DecoderLayer.forward``
     computes it, with ``inv_freq`` the (32,) float32 rotary frequencies. ``weights``: norm1, q/k/v, o,
     norm2, gate/up, down (:func:`runs_for`); ``eps``: the two norms' epsilons. Call it where
     :func:`fits` holds. Takes the strides of ``pos0`` and of the context's keys, values and

@@ -30,312 +30,33 @@ weights.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from flashrt.kernels import (
-    add_layer_norm,
-    add_matmul,
-    add_rms_norm,
-    attention,
     euler_step,
     expert_layer,
-    gelu_mul,
     linear,
-    linear_gelu,
-    qkv_rope,
-    rms_norm_geglu,
-    rms_norm_qkv_rope,
     time_embed,
 )
-from flashrt.kernels.grouped_attention import Segment
-from flashrt.policies import attention_long
 from flashrt.policies.config import PolicyConfig
-
-Prefix = Sequence[tuple[torch.Tensor, torch.Tensor]]
-"""What a block attends to before its own tokens: segments ``(kv, mask)`` in token order, each
-kv ``(N, S, 2, g, T_i, d)`` (every layer) with a bool mask ``(N, T_i)``. Attention reads the
-segments where they live (the pipeline's instruction, ring and newest-frame buffers): the
-prefix is never laid out as one tensor."""
-
-
-def layer_segments(prefix: Prefix, layer: int) -> list[Segment]:
-    """Layer ``layer``'s keys, values and mask of each prefix segment."""
-    return [(kv[:, layer, 0], kv[:, layer, 1], mask) for kv, mask in prefix]
-
-
-class RMSNorm(nn.Module):
-    """Gemma-style RMSNorm: float32 statistics, the normed row rounded before the scale.
-
-    The scale is ``weight``, or with ``plus_one`` Gemma's ``1 + weight`` (folded once per
-    weights, so the kernels take it as a plain scale)."""
-
-    def __init__(self, dim: int, eps: float = 1e-6, plus_one: bool = False) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.zeros(dim) if plus_one else torch.ones(dim))
-        self.eps, self.plus_one = eps, plus_one
-        self._scale = Folded(lambda: (1.0 + self.weight,), self.weight) if plus_one else None
-
-    def scale(self) -> torch.Tensor:
-        """What the normed row is multiplied by: ``weight`` or ``1 + weight``."""
-        if self._scale is None:
-            return self.weight
-        if torch.is_grad_enabled() and self.weight.requires_grad:
-            return 1.0 + self.weight
-        return self._scale.get()[0]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``norm(x)`` (one kernel on CUDA; a decoder layer's norms run inside its projections)."""
-        return add_rms_norm(x, None, self.scale(), self.eps)[1]
-
-
-class AdaRMSNorm(nn.Module):
-    """pi0.5's adaptive RMSNorm: a condition ``c`` sets the scale, shift and residual gate,
-    ``(scale, shift, gate) = dense(c)``; ``y = norm(x) * (1 + scale) + shift`` in float32."""
-
-    def __init__(self, dim: int, cond_dim: int, eps: float = 1e-6) -> None:
-        super().__init__()
-        self.dense = nn.Linear(cond_dim, 3 * dim)
-        self.eps = eps
-
-    def modulation(self, cond: torch.Tensor) -> torch.Tensor:
-        """(..., 3, dim) float32: ``1 + scale``, ``shift`` and ``gate`` for conditions (..., cond_dim)."""
-        scale, shift, gate = self.dense(cond).float().chunk(3, dim=-1)
-        return torch.stack([1.0 + scale, shift, gate], dim=-2)
-
-
-def modulated_norm(x: torch.Tensor, mod: torch.Tensor, eps: float) -> torch.Tensor:
-    """``norm(x) * mod[0] + mod[1]`` in float32, rounded once to x's dtype; ``mod`` (N, 3, E) or
-    (3, E) from :meth:`AdaRMSNorm.modulation` (LeRobot's ``PiGemmaRMSNorm`` with a condition)."""
-    xf = x.float()
-    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    scale, shift = (mod[:, None, 0], mod[:, None, 1]) if mod.dim() == 3 else (mod[0], mod[1])
-    return (y * scale + shift).to(x.dtype)
-
-
-def gated(mod: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The residual gate of a modulation (N, 3, E) or (3, E), broadcastable over (N, T, E)."""
-    return (mod[:, None, 2] if mod.dim() == 3 else mod[2]).to(dtype)
-
-
-class Folded:
-    """Tensors derived from weights once, refreshed in place when the weights change.
-
-    A captured graph reads these tensors by address, so they are rewritten in place (never
-    reallocated) when their source parameters change (an optimizer step or a load bumps
-    ``Tensor._version``); move or convert the model and they are rebuilt.
-    """
-
-    def __init__(self, fn, *params: nn.Parameter) -> None:
-        self.fn, self.params = fn, params
-        self.key: tuple | None = None
-        self.value: tuple[torch.Tensor, ...] = ()
-
-    @torch.no_grad()
-    def get(self) -> tuple[torch.Tensor, ...]:
-        if torch.compiler.is_compiling():  # traced: fold inside the compiled graph, no cache lookups
-            return self.fn()
-        key = tuple((p.data_ptr(), p._version, p.dtype) for p in self.params)
-        if key != self.key:
-            # A graph's kernels load weights before they wait for the kernel ahead of them
-            # (kernels.backend): a refresh recorded into the graph would race with its readers.
-            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-                raise RuntimeError(
-                    "weights changed since the last run and a graph is being captured: run the "
-                    "computation once outside the capture (a warm-up) so the derived weights are "
-                    "refreshed before it"
-                )
-            new = self.fn()
-            if self.value and all(
-                a.shape == b.shape and a.device == b.device and a.dtype == b.dtype
-                for a, b in zip(self.value, new, strict=True)
-            ):
-                for a, b in zip(self.value, new, strict=True):
-                    a.copy_(b)
-            else:
-                self.value = new
-            self.key = key
-        return self.value
-
-
-class DecoderLayer(nn.Module):
-    """Pre-norm layer: GQA self/cross attention with rotary embeddings, gated (GeGLU) MLP.
-
-    Attention over a long block (pi0's block B: thousands of query rows per key/value head) runs
-    :mod:`flashrt.policies.attention_long`'s flash kernel, every other call the few-row kernel.
-    Per layer on CUDA, at best five kernels: norm + fused q/k/v projection + rotary split
-    (keys/values written into the caller's cache view), attention over [context; own], the output
-    projection accumulated onto the residual, norm + gate/up projection + GeGLU, and the down
-    projection accumulated onto the residual. Where a fused norm + projection does not pay (rows
-    wider than ``kernels.norm_linear.FUSED_MAX_WIDTH``, or many rows: cuBLAS is faster there) its
-    norm, projection and pointwise step run apart, three kernels for one (nine a layer at most).
-    """
-
-    def __init__(
-        self,
-        width: int,
-        heads: int,
-        kv_heads: int,
-        head_dim: int,
-        mlp: int,
-        *,
-        plus_one: bool = False,
-        cond_dim: int | None = None,
-    ) -> None:
-        super().__init__()
-        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
-        if cond_dim is None:
-            self.norm1, self.norm2 = RMSNorm(width, plus_one=plus_one), RMSNorm(width, plus_one=plus_one)
-        else:  # pi0.5's time-conditioned expert: see forward's ``mod``
-            self.norm1, self.norm2 = AdaRMSNorm(width, cond_dim), AdaRMSNorm(width, cond_dim)
-        self.q = nn.Linear(width, heads * head_dim, bias=False)
-        self.kv = nn.Linear(width, 2 * kv_heads * head_dim, bias=False)
-        self.o = nn.Linear(heads * head_dim, width, bias=False)
-        self.gate_up = nn.Linear(width, 2 * mlp, bias=False)
-        self.down = nn.Linear(mlp, width, bias=False)
-        self._qkv = Folded(lambda: (torch.cat([self.q.weight, self.kv.weight]),), self.q.weight, self.kv.weight)
-
-    @property
-    def adaptive(self) -> bool:
-        return isinstance(self.norm1, AdaRMSNorm)
-
-    def fused_weights(self) -> tuple[torch.Tensor, ...]:
-        """norm1, q/k/v, o, norm2, gate/up and down weights: what :mod:`flashrt.kernels.expert_layer`
-        takes (norm scales as applied); empty for an adaptive layer, which no fused kernel takes."""
-        if self.adaptive:
-            return ()
-        return (self.norm1.scale(), self.qkv_weight(), self.o.weight, self.norm2.scale(), self.gate_up.weight,
-                self.down.weight)  # fmt: skip
-
-    def qkv_weight(self) -> torch.Tensor:
-        """[W_q; W_kv]: one projection for queries, keys and values."""
-        if torch.is_grad_enabled() and self.q.weight.requires_grad:
-            return torch.cat([self.q.weight, self.kv.weight])
-        return self._qkv.get()[0]
-
-    def forward(
-        self,
-        x: torch.Tensor,
-        pos0: torch.Tensor,
-        inv_freq: torch.Tensor,
-        context: Sequence[Segment] = (),
-        own_mask: torch.Tensor | None = None,
-        kv_out: torch.Tensor | None = None,
-        mod: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x (N, T, W) at positions ``pos0 + t`` attends to the context segments (keys/values
-        (N, g, T_i, d), masks (N, T_i)) and to itself (``own_mask`` (N, T)). Returns the new x and
-        its own keys/values (N, g, T, d), written into ``kv_out`` (N, 2, g, T, d) when given.
-
-        An adaptive layer takes ``mod`` (2, 3, W) or (N, 2, 3, W): each norm's ``1 + scale``,
-        ``shift`` and residual gate (:meth:`AdaRMSNorm.modulation`), as pi0.5 computes it.
-
-        Unless autograd records through it, the residual stream is updated in place: x is
-        overwritten and returned (pass a tensor no one else reads, as every caller here does)."""
-        n, t, _ = x.shape
-        n1, n2 = self.norm1, self.norm2
-        if self.adaptive:
-            if mod is None:
-                raise ValueError("an adaptive (time-conditioned) layer needs its modulation `mod`")
-            m1, m2 = mod.unbind(-3)
-            qkv = linear(modulated_norm(x, m1, n1.eps), self.qkv_weight())
-            q, k, v = qkv_rope(qkv, pos0, inv_freq, self.heads, self.kv_heads, kv_out)
-            a = linear(attention_long.attention(q, k, v, own_mask, context).reshape(n, t, -1), self.o.weight)
-            x = x + a * gated(m1, x.dtype)
-            h = linear(gelu_mul(linear(modulated_norm(x, m2, n2.eps), self.gate_up.weight)), self.down.weight)
-            return x + h * gated(m2, x.dtype), k, v
-        q, k, v = rms_norm_qkv_rope(
-            x, n1.scale(), n1.eps, self.qkv_weight(), pos0, inv_freq, self.heads, self.kv_heads, kv_out
-        )
-        x = add_matmul(x, attention_long.attention(q, k, v, own_mask, context).reshape(n, t, -1), self.o.weight)
-        x = add_matmul(x, rms_norm_geglu(x, n2.scale(), n2.eps, self.gate_up.weight), self.down.weight)
-        return x, k, v
-
-
-def layer_norm(norm: nn.LayerNorm, x: torch.Tensor, delta: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(x + delta, norm(x + delta))`` (one fused kernel on CUDA)."""
-    return add_layer_norm(x, delta, norm.weight, norm.bias, norm.eps)
-
-
-class VisionBlock(nn.Module):
-    """SigLIP-shaped encoder block: LayerNorm, full multi-head attention, GELU MLP.
-
-    The residual stream arrives as ``x + delta``, the previous block's MLP output not yet added:
-    each add runs inside the norm kernel that reads its sum (so does the position embedding's,
-    in the first block). At a few frames every kernel is Triton (projections from
-    :mod:`flashrt.kernels.matmul`, attention from :mod:`flashrt.kernels.grouped_attention`), so inside a graph
-    each launches dependent; at many, cuBLAS and SDPA's fused kernels run.
-    """
-
-    def __init__(self, width: int, heads: int, mlp: int, eps: float = 1e-5) -> None:
-        super().__init__()
-        self.heads = heads
-        self.norm1, self.norm2 = nn.LayerNorm(width, eps=eps), nn.LayerNorm(width, eps=eps)
-        self.qkv = nn.Linear(width, 3 * width)
-        self.o = nn.Linear(width, width)
-        self.fc1, self.fc2 = nn.Linear(width, mlp), nn.Linear(mlp, width)
-
-    def forward(self, x: torch.Tensor, delta: torch.Tensor | None, patches: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """x (N, C*P, W) and the pending ``delta`` (x's shape or its trailing dims) -> the block's
-        output as the same pair (the stream is their sum); attention runs within each image of
-        ``patches`` tokens."""
-        n, t, w = x.shape
-        x, h = layer_norm(self.norm1, x, delta)
-        qkv = linear(h, self.qkv.weight, self.qkv.bias)
-        q, k, v = qkv.view(n * t // patches, patches, 3, self.heads, w // self.heads).permute(2, 0, 3, 1, 4)
-        attn = attention(q, k, v, None).reshape(n, t, w)  # (N*C, P, heads, w/heads) -> (N, C*P, W)
-        x, h = layer_norm(self.norm2, x, linear(attn, self.o.weight, self.o.bias))
-        return x, linear(linear_gelu(h, self.fc1.weight, self.fc1.bias), self.fc2.weight, self.fc2.bias)
-
-
-def sincos(t: torch.Tensor, dim: int, min_period: float = 4e-3, max_period: float = 4.0) -> torch.Tensor:
-    """pi0's sinusoidal time embedding: (n,) -> (n, dim)."""
-    frac = torch.linspace(0.0, 1.0, dim // 2, dtype=torch.float64, device=t.device)
-    period = min_period * (max_period / min_period) ** frac
-    ang = t.double()[:, None] * (2 * math.pi / period)
-    return torch.cat([ang.sin(), ang.cos()], dim=-1).float()
-
-
-def euler_times(steps: int, dtype: str, device: torch.device | None = None) -> torch.Tensor:
-    """(steps,) float64: the Euler times ``1 - s/steps``, exact (``"float64"``) or as LeRobot
-    holds them (``"float32"``: ``1.0 + s * (-1/steps)`` rounded to float32)."""
-    if dtype == "float64":
-        return 1.0 - torch.arange(steps, dtype=torch.float64, device=device) / steps
-    dt = -1.0 / steps
-    return torch.tensor([1.0 + s * dt for s in range(steps)], dtype=torch.float32, device=device).double()
-
-
-NORM_EPS = 1e-8
-"""LeRobot's normaliser epsilon (its ``NormalizerProcessorStep`` default)."""
-
-
-def normalize(x: torch.Tensor, mode: str, stats: torch.Tensor | None, inverse: bool = False) -> torch.Tensor:
-    """LeRobot's dataset normalisation (its formulas, their rounding, epsilon 1e-8) of float32 x
-    (..., D) with ``stats`` (2, D): (mean, std), (min, max) or the two quantiles per ``mode``."""
-    if mode == "identity":
-        return x
-    a, b = stats[0], stats[1]
-    if mode == "mean_std":
-        return x * b + a if inverse else (x - a) / (b + NORM_EPS)
-    denom = b - a
-    denom = torch.where(denom == 0, NORM_EPS, denom)  # a Python scalar: nothing is copied inside a capture
-    if mode == "min_max":
-        return (x + 1) / 2 * denom + a if inverse else 2 * (x - a) / denom - 1
-    return (x + 1.0) * denom / 2.0 + a if inverse else 2.0 * (x - a) / denom - 1.0  # quantiles, quantile10
-
-
-def sincos_2d(grid: int, dim: int) -> torch.Tensor:
-    """Fixed 2-D sin-cos position embedding of a grid x grid patch layout: (grid*grid, dim)."""
-    ys, xs = torch.meshgrid(
-        torch.arange(grid, dtype=torch.float32), torch.arange(grid, dtype=torch.float32), indexing="ij"
-    )
-    omega = 1.0 / 10000 ** (torch.arange(dim // 4, dtype=torch.float32) / max(1, dim // 4))
-    ang_y, ang_x = ys.flatten()[:, None] * omega, xs.flatten()[:, None] * omega
-    emb = torch.cat([ang_y.sin(), ang_y.cos(), ang_x.sin(), ang_x.cos()], dim=1)
-    return torch.nn.functional.pad(emb, (0, dim - emb.shape[1]))
+from flashrt.policies.layers import (
+    AdaRMSNorm,
+    DecoderLayer,
+    Folded,
+    Prefix,
+    RMSNorm,
+    VisionBlock,
+    euler_times,
+    layer_norm,
+    layer_segments,
+    modulated_norm,
+    normalize,
+    sincos,
+    sincos_2d,
+)
 
 
 class FlowPolicy(nn.Module):

@@ -49,7 +49,8 @@ from flashrt import kernels, runtime
 from flashrt.kernels import expert_layer
 from flashrt.kernels.rng import draw_normal_
 from flashrt.policies import attention_long
-from flashrt.policies.model import FlowPolicy, Prefix
+from flashrt.policies.layers import Prefix
+from flashrt.policies.model import FlowPolicy
 from flashrt.policies.tokenizer import compose_prompt
 from flashrt.policies.weights import tokenizer_for
 from flashrt.runtime import BufferSet, BufferSpec, slot

@@ -10,7 +10,7 @@ import flashrt.kernels.expert_layer as el
 from flashrt import kernels
 from flashrt.kernels import nvcc
 from flashrt.policies import PRESETS, FlowPolicy
-from flashrt.policies.model import layer_segments
+from flashrt.policies.layers import layer_segments
 from tests.kernels.arena import misread, pipeline_prefix, policy_arena, unit
 from tests.kernels.kernel_devices import poison_allocator
 

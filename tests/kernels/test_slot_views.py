@@ -39,7 +39,7 @@ from flashrt.kernels.slot_copy import (
     scatter_rows_triton,
 )
 from flashrt.policies import PolicyConfig
-from flashrt.policies.model import layer_segments
+from flashrt.policies.layers import layer_segments
 from flashrt.runtime import BufferSet, slot
 from tests.kernels.arena import (
     arena,

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from flashrt.policies import FlowPolicy, WeightsError, load, save, tokenizer_for
 from flashrt.policies import model as model_module
 from flashrt.policies.convert import ConversionError, convert_lerobot
-from flashrt.policies.model import AdaRMSNorm, euler_times
+from flashrt.policies.layers import AdaRMSNorm, euler_times
 from tests.policies.golden import FIXTURES, KINDS, TOL, golden, load_converted, prefix, relative_error
 
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from flashrt.policies import FlowPolicy, InstructionTable, PolicyPipeline, policy_specs
-from flashrt.policies.model import AdaRMSNorm
+from flashrt.policies.layers import AdaRMSNorm
 from flashrt.runtime import BufferSet, Graph
 from tests.policies.golden import KINDS, golden, load_converted
 
