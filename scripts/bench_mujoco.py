@@ -42,7 +42,8 @@ from benchlib import graph_kernels, provenance, wall_ms
 from flashrt.runtime import BufferSet, atomic_write
 from flashrt_gym import FlashRTVectorEnv
 from flashrt_gym.sims import SCENE, MujocoPush, PushConfig, WarpPush, load_scene
-from flashrt_gym.sims.mujoco_warp import ITERATIONS, warp_api
+from flashrt_gym.sims.mujoco_warp import ITERATIONS
+from flashrt_gym.sims.warp_api import warp_api
 
 SIMULATORS = {"mujoco_warp": WarpPush, "mujoco_cpu": MujocoPush, "tabletop": None}
 
