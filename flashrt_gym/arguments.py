@@ -1,5 +1,5 @@
-"""Argument checks of the env's constructor: each refuses a bad value with an error that names
-the argument and what it accepts."""
+"""Argument checks of the env (its constructor, slot lists, actions): each refuses a bad value with
+an error that names the argument and what it accepts."""
 
 from __future__ import annotations
 
@@ -68,3 +68,36 @@ def slot_list(slots: Any, num_envs: int, what: str) -> list[int]:
     if any(not 0 <= s < num_envs for s in out) or len(set(out)) != len(out):
         raise ValueError(f"{what}: slots must be {want}, got {out}")
     return out
+
+
+def check_actions(a: np.ndarray | torch.Tensor, want: tuple[int, ...], repeated: bool) -> None:
+    """Actions of shape ``want`` (num_envs, action size) and a floating dtype."""
+    if tuple(a.shape) != want:
+        what = "action_dim, repeated over the horizon" if repeated else "horizon * action_dim"
+        raise ValueError(f"actions must have shape {want} (num_envs, {what}), got {tuple(a.shape)}")
+    if not (a.is_floating_point() if isinstance(a, torch.Tensor) else np.issubdtype(a.dtype, np.floating)):
+        raise ValueError(f"actions must be floating point, got {a.dtype}")
+
+
+def check_action_bounds(a: np.ndarray) -> None:
+    """Every action in [-1, 1] (the action space is symmetric; NaN fails it)."""
+    if not np.abs(a).max(initial=0.0) <= 1.0 + 1e-6:
+        reject_actions(a)
+
+
+def reject_actions(actions: np.ndarray | torch.Tensor) -> None:
+    """Raise the error that names why ``actions`` are out of the action space."""
+    finite = torch.isfinite(actions).all() if isinstance(actions, torch.Tensor) else np.isfinite(actions).all()
+    if not finite:
+        raise ValueError("actions contain NaN or infinity")
+    raise ValueError("actions must lie in [-1.0, 1.0] (the action space); clip them first")
+
+
+def host_actions(actions: Any, want: tuple[int, ...], repeated: bool) -> np.ndarray:
+    """``actions`` (an array-like of the caller's) checked, as a contiguous float32 NumPy array."""
+    if not isinstance(actions, (np.ndarray, list, tuple, torch.Tensor)):
+        raise TypeError(f"actions must be an array of shape {want}, got {type(actions).__name__}")
+    a = actions.numpy(force=True) if isinstance(actions, torch.Tensor) else np.asarray(actions)
+    check_actions(a, want, repeated)
+    check_action_bounds(a)
+    return np.ascontiguousarray(a, dtype=np.float32)

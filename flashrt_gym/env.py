@@ -186,7 +186,12 @@ class FlashRTVectorEnv(VectorEnv):
 
     def step(self, actions: Any) -> tuple[Obs, np.ndarray, np.ndarray, np.ndarray, dict[str, Any]]:
         """One chunk for every slot, NumPy in and out (one transfer each way)."""
-        np.copyto(self._actions.numpy(), self._host_actions(actions))
+        np.copyto(
+            self._actions.numpy(),
+            arguments.host_actions(
+                actions, (self.num_envs, *self.single_action_space.shape), self.step_config.repeat_over_horizon
+            ),
+        )
         self._launch(self._actions)  # the previous step's read-back finished with this buffer
         out = self._read(host=True)
         info: dict[str, Any] = {}
@@ -209,13 +214,14 @@ class FlashRTVectorEnv(VectorEnv):
         bad action raises and leaves the state untouched."""
         if not isinstance(actions, torch.Tensor):
             raise TypeError(f"step_torch takes a torch.Tensor of actions, got {type(actions).__name__}; use step()")
-        self._check_shape(actions)
+        want = (self.num_envs, *self.single_action_space.shape)
+        arguments.check_actions(actions, want, self.step_config.repeat_over_horizon)
         host = actions.device.type == "cpu" and self.device.type != "cpu"
         if host:
-            self._check_bounds(actions.numpy(force=True))
+            arguments.check_action_bounds(actions.numpy(force=True))
         self._launch(actions.to(self.device))  # a host tensor of the caller's: a synchronous copy
         if not host and not self.engine.held():
-            _reject(actions)
+            arguments.reject_actions(actions)
         out = self._read(host=False)
         info = {"final_obs": self._pick(out, "final"), "_final_obs": out["env.out.done"]} if self.autoreset else {}
         return self._pick(out, "obs"), out["env.out.reward"], out["env.out.terminated"], out["env.out.truncated"], info
@@ -281,28 +287,6 @@ class FlashRTVectorEnv(VectorEnv):
     def _slot_list(self, slots: Any, what: str) -> list[int]:
         return arguments.slot_list(slots, self.num_envs, what)
 
-    def _check_shape(self, a: np.ndarray | torch.Tensor) -> None:
-        want = (self.num_envs, *self.single_action_space.shape)
-        if tuple(a.shape) != want:
-            what = "action_dim, repeated over the horizon" if self.step_config.repeat_over_horizon else "horizon * dim"
-            raise ValueError(f"actions must have shape {want} (num_envs, {what}), got {tuple(a.shape)}")
-        if not (a.is_floating_point() if isinstance(a, torch.Tensor) else np.issubdtype(a.dtype, np.floating)):
-            raise ValueError(f"actions must be floating point, got {a.dtype}")
-
-    def _check_bounds(self, a: np.ndarray) -> None:
-        if not np.abs(a).max(initial=0.0) <= 1.0 + 1e-6:  # NaN fails it
-            _reject(a)
-
-    def _host_actions(self, actions: Any) -> np.ndarray:
-        if not isinstance(actions, (np.ndarray, list, tuple, torch.Tensor)):
-            raise TypeError(
-                f"actions must be an array of shape {self.action_space.shape}, got {type(actions).__name__}"
-            )
-        a = actions.numpy(force=True) if isinstance(actions, torch.Tensor) else np.asarray(actions)
-        self._check_shape(a)
-        self._check_bounds(a)
-        return np.ascontiguousarray(a, dtype=np.float32)
-
     def _launch(self, actions: torch.Tensor) -> None:
         self._check_open()
         if not self.started:
@@ -328,10 +312,3 @@ class FlashRTVectorEnv(VectorEnv):
 
 
 _NUMPY = {torch.float32: np.float32, torch.bool: np.bool_, torch.uint8: np.uint8, torch.int64: np.int64}
-
-
-def _reject(actions: np.ndarray | torch.Tensor) -> None:
-    finite = torch.isfinite(actions).all() if isinstance(actions, torch.Tensor) else np.isfinite(actions).all()
-    if not finite:
-        raise ValueError("actions contain NaN or infinity")
-    raise ValueError("actions must lie in [-1.0, 1.0] (the action space); clip them first")
