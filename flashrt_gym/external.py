@@ -28,6 +28,7 @@ import torch
 
 from flashrt.runtime import BufferSet, BufferSpec, scratch, slot
 from flashrt.runtime.views import bind_views
+from flashrt_gym.simulator import BoundState
 
 
 @runtime_checkable
@@ -118,7 +119,7 @@ class MirrorState:
 UPLOADED = ("state", "success", "instruction", "observation", "proprio", "image")
 
 
-class Mirror:
+class Mirror(BoundState):
     """The in-graph face of an :class:`ExternalSimulator`: device buffers the env's graphs read,
     filled by the host hand-offs (``host_*``) the engine runs between them."""
 
@@ -156,24 +157,6 @@ class Mirror:
         self._state = bind_views(MirrorState, bufs, "sim")
         self._next = bind_views(MirrorState, bufs, "sim.next")
         return self
-
-    @property
-    def state(self) -> MirrorState:
-        if self._state is None:
-            raise ValueError("bind the mirror to a buffer set first")
-        return self._state
-
-    @property
-    def success(self) -> torch.Tensor:
-        return self.state.success
-
-    @property
-    def instruction(self) -> torch.Tensor:
-        return self.state.instruction
-
-    @property
-    def rng_key(self) -> torch.Tensor:
-        return self.state.key
 
     def identity(self) -> str:
         return f"external|{self.host.identity()}"

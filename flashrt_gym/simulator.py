@@ -25,7 +25,7 @@ Conventions the engine relies on:
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -108,3 +108,28 @@ class Simulator(Protocol):
     def observation(self, out: torch.Tensor) -> None:
         """(slots, observation_dim) float32 low-dimensional observation into ``out``."""
         ...
+
+
+class BoundState:
+    """What every simulator derives from the typed view of its ``sim.*`` buffers (a dataclass with
+    ``success``, ``instruction`` and ``key`` fields) that its ``bind`` sets as ``self._state``."""
+
+    _state: Any = None
+
+    @property
+    def state(self) -> Any:
+        if self._state is None:
+            raise ValueError(f"bind the {type(self).__name__} to a buffer set first: make it, then .bind(bufs)")
+        return self._state
+
+    @property
+    def success(self) -> torch.Tensor:
+        return self.state.success
+
+    @property
+    def instruction(self) -> torch.Tensor:
+        return self.state.instruction
+
+    @property
+    def rng_key(self) -> torch.Tensor:
+        return self.state.key

@@ -50,6 +50,7 @@ from flashrt.runtime.views import bind_views
 from flashrt_gym.sims.mujoco_cpu import renderer_for
 from flashrt_gym.sims.push import PushConfig, PushTask, as_push_config, load_scene, model_digest, yaw_of
 from flashrt_gym.sims.warp_api import TorchAllocator, warp_api
+from flashrt_gym.simulator import BoundState
 
 STATE_SIG = int(mujoco.mjtState.mjSTATE_INTEGRATION)
 ITERATIONS = 10
@@ -86,7 +87,7 @@ class WarpPushState:
     counter: torch.Tensor  # () int64 draws taken from it (one per episode)
 
 
-class WarpPush:
+class WarpPush(BoundState):
     """The batched push simulator on MuJoCo Warp, an in-graph simulator.
 
     Make it, put :meth:`specs` into the set's specs, then :meth:`bind` it to the set (which
@@ -207,24 +208,6 @@ class WarpPush:
         self._allocator = TorchAllocator(device, self.wp_device.current_allocator) if use_torch else None
         self._state = state
         return self
-
-    @property
-    def state(self) -> WarpPushState:
-        if self._state is None:
-            raise ValueError("bind the WarpPush to a buffer set first: WarpPush(n).bind(bufs)")
-        return self._state
-
-    @property
-    def success(self) -> torch.Tensor:
-        return self.state.success
-
-    @property
-    def instruction(self) -> torch.Tensor:
-        return self.state.instruction
-
-    @property
-    def rng_key(self) -> torch.Tensor:
-        return self.state.key
 
     def identity(self) -> str:
         """The compiled model, the task's parameters and the solver settings that change results."""

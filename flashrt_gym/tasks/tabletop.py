@@ -31,6 +31,7 @@ from flashrt.kernels import use_triton
 from flashrt.kernels.rng import uniform
 from flashrt.runtime import BufferSet, BufferSpec, slot
 from flashrt.runtime.views import bind_views
+from flashrt_gym.simulator import BoundState
 from flashrt_gym.tasks.tabletop_config import (
     BACKGROUND,
     COLORS,
@@ -57,7 +58,7 @@ class TabletopState:
     counter: torch.Tensor  # () int64 draws taken from it (one per episode)
 
 
-class Tabletop:
+class Tabletop(BoundState):
     """The batched tabletop simulator, bound to the ``sim.*`` buffers of one buffer set.
 
     Make it, put :meth:`specs` into the set's specs, then :meth:`bind` it to the set.
@@ -126,24 +127,6 @@ class Tabletop:
             "ee_color": torch.tensor(EE_COLOR, dtype=torch.float32, device=device),
         }
         return self
-
-    @property
-    def state(self) -> TabletopState:
-        if self._state is None:
-            raise ValueError("bind the Tabletop to a buffer set first: Tabletop(cfg).bind(bufs)")
-        return self._state
-
-    @property
-    def success(self) -> torch.Tensor:
-        return self.state.success
-
-    @property
-    def instruction(self) -> torch.Tensor:
-        return self.state.instruction
-
-    @property
-    def rng_key(self) -> torch.Tensor:
-        return self.state.key
 
     @property
     def observation_dim(self) -> int:
