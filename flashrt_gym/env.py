@@ -145,6 +145,13 @@ class FlashRTVectorEnv(VectorEnv):
         pinned = self.device.type == "cuda"  # page-locked: the transfers are asynchronous copies
         self._outputs = torch.empty_like(self.engine.output_span, device="cpu", pin_memory=pinned)
         self._actions = torch.empty(self.action_space.shape, dtype=torch.float32, pin_memory=pinned)
+        # NumPy views over the staging buffers and each output's place, worked out once: the
+        # Gymnasium step's host path runs no torch op but the two copies and the replay
+        self._outputs_np, self._actions_np = self._outputs.numpy(), self._actions.numpy()
+        self._host_layout = [
+            (n, off, off + spec.nbytes, torch.empty(0, dtype=spec.dtype).numpy().dtype, tuple(spec.shape))
+            for n, (off, spec) in self.engine.output_layout.items()
+        ]
 
     # -- Gymnasium API -------------------------------------------------------------------------
     def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[Obs, dict[str, Any]]:
@@ -187,7 +194,7 @@ class FlashRTVectorEnv(VectorEnv):
     def step(self, actions: Any) -> tuple[Obs, np.ndarray, np.ndarray, np.ndarray, dict[str, Any]]:
         """One chunk for every slot, NumPy in and out (one transfer each way)."""
         np.copyto(
-            self._actions.numpy(),
+            self._actions_np,
             arguments.host_actions(
                 actions, (self.num_envs, *self.single_action_space.shape), self.step_config.repeat_over_horizon
             ),
@@ -301,7 +308,8 @@ class FlashRTVectorEnv(VectorEnv):
         self._outputs.copy_(self.engine.output_span, non_blocking=True)
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
-        return {k: v.numpy() for k, v in self.engine.unpack(self._outputs.clone()).items()}
+        host = self._outputs_np.copy()
+        return {n: host[lo:hi].view(dtype).reshape(shape) for n, lo, hi, dtype, shape in self._host_layout}
 
     def _pick(self, out: dict[str, Any], prefix: str) -> Any:
         parts = {f: out[f"env.{prefix}.{f}"] for f in self.step_config.obs_forms}
@@ -309,6 +317,3 @@ class FlashRTVectorEnv(VectorEnv):
 
     def _obs(self) -> Obs:
         return self._pick(self._read(host=True), "obs")
-
-
-_NUMPY = {torch.float32: np.float32, torch.bool: np.bool_, torch.uint8: np.uint8, torch.int64: np.int64}
