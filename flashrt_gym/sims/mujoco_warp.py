@@ -153,6 +153,7 @@ class WarpPush(BoundState):
         self._state: WarpPushState | None = None
         self._programs: dict[int, dict[str, Any]] = {}
         self._streams: dict[int, Any] = {}
+        self._side: torch.cuda.Stream | None = None  # where Warp's own graph runs (capture="warp")
         self._captures: list[Any] = []  # Warp's records of the torch captures the ticks joined
 
     # -- layout --------------------------------------------------------------------------------
@@ -299,11 +300,14 @@ class WarpPush(BoundState):
             k.wp.launch(k.score, dim=n, inputs=inputs)
 
     def _stream(self) -> Any:
-        """Warp's handle of the current torch stream (one per torch stream, made once)."""
-        current = torch.cuda.current_stream(self.device)
-        if current.cuda_stream not in self._streams:
-            self._streams[current.cuda_stream] = warp_api().wp.stream_from_torch(current)
-        return self._streams[current.cuda_stream]
+        """Warp's handle of the current torch stream."""
+        return self._stream_of(torch.cuda.current_stream(self.device))
+
+    def _stream_of(self, stream: torch.cuda.Stream) -> Any:
+        """Warp's handle of the torch ``stream`` (one per torch stream, made once)."""
+        if stream.cuda_stream not in self._streams:
+            self._streams[stream.cuda_stream] = warp_api().wp.stream_from_torch(stream)
+        return self._streams[stream.cuda_stream]
 
     def physics(self, ticks: int) -> None:
         """The Warp part of :meth:`run_ticks` over the scratch that :meth:`run_ticks` fills,
@@ -325,15 +329,7 @@ class WarpPush(BoundState):
                         "WarpPush(capture='warp') replays its own graph and cannot be recorded into a torch "
                         "capture; use capture='torch' in a captured env step"
                     )
-                if p["graph"] is None:
-                    saved = [t.clone() for t in self._scratch]
-                    self._launch(ticks)  # load every module before the capture, then undo the run
-                    for t, s in zip(self._scratch, saved, strict=True):
-                        t.copy_(s)
-                    with wp.ScopedCapture(stream=stream) as cap:
-                        self._launch(ticks)
-                    p["graph"] = cap.graph
-                wp.capture_launch(p["graph"], stream=stream)
+                self._replay_own_graph(p, ticks)
                 return
             self._allocator.stream = stream
             with wp.ScopedAllocator(self.wp_device, self._allocator):
@@ -344,6 +340,29 @@ class WarpPush(BoundState):
                 finally:
                     if capturing:
                         self._captures.append(wp.capture_end(stream=stream))
+
+    def _replay_own_graph(self, p: dict[str, Any], ticks: int) -> None:
+        """``capture="warp"``: Warp's graph of the ticks, captured at the first call (after one
+        eager run that loads the modules, then undone) and replayed on a side stream that this
+        simulator owns, ordered after the torch stream's work and before its next. CUDA cannot
+        capture the legacy default stream, which is torch's current stream in an eager env."""
+        wp, current = warp_api().wp, torch.cuda.current_stream(self.device)
+        if self._side is None:
+            self._side = torch.cuda.Stream(self.device)
+        side = self._side
+        if p["graph"] is None:
+            saved = [t.clone() for t in self._scratch]
+            self._launch(ticks)  # on the torch stream
+            for t, s in zip(self._scratch, saved, strict=True):
+                t.copy_(s)
+            side.wait_stream(current)
+            with wp.ScopedStream(self._stream_of(side), sync_enter=False):
+                with wp.ScopedCapture(stream=self._stream_of(side)) as cap:
+                    self._launch(ticks)
+            p["graph"] = cap.graph
+        side.wait_stream(current)
+        wp.capture_launch(p["graph"], stream=self._stream_of(side))
+        current.wait_stream(side)
 
     def run_ticks(self, actions: torch.Tensor, dense: torch.Tensor, sparse: torch.Tensor) -> None:
         """Advance every slot ``T`` ticks under ``actions (slots, T, 2)`` in [-1, 1] (clipped)
