@@ -124,7 +124,7 @@ def bench_env(kind: str, n: int, args: argparse.Namespace) -> dict:
         row["guarded_graph_warnings"] = [str(w.message) for w in caught if "runtime.guarded" in str(w.message)]
         row["program_ms"] = wall_ms(env.engine.replay, args.reps)
         row["step_graph_kernels"] = graph_kernels(env.engine.replay)
-        row["overflow_worlds"] = env.engine.sim.overflow()
+        row["flagged_worlds"] = env.engine.sim.overflow()
     del env
     return row
 

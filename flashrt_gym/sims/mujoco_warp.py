@@ -416,8 +416,16 @@ class WarpPush(BoundState):
         ee, obj, yaw = self.poses()
         return self.task.expert(ee, obj, yaw, self.state.instruction)
 
-    def overflow(self) -> int:
-        """Worlds whose contacts or constraints overflowed MuJoCo Warp's capacities so far (a
-        host read: for checks between steps, never inside one)."""
+    def overflow(self) -> dict[str, int]:
+        """The worlds MuJoCo Warp has flagged so far, by kind (a host read: for checks between
+        steps, never inside one). ``capacity``: contacts, constraints or collision buffers
+        overflowed, so the physics dropped some (raise ``nconmax`` / ``njmax``).
+        ``solver_iterations``: the constraint solver or its line search stopped at its iteration
+        bound (``iterations``) before its tolerance, as MuJoCo's C library also does."""
         flags = getattr(self.d, "overflow", None)
-        return 0 if flags is None else int((flags.numpy() != 0).sum())
+        if flags is None:
+            return {"capacity": 0, "solver_iterations": 0}
+        kind = warp_api().mjw.OverflowType
+        bound = int(kind.ITERATIONS | kind.LS_ITERATIONS)
+        f = flags.numpy()
+        return {"capacity": int(((f & ~bound) != 0).sum()), "solver_iterations": int(((f & bound) != 0).sum())}

@@ -84,7 +84,8 @@ def test_warp_push_is_an_in_graph_simulator(device):
 @pytest.mark.parametrize("device", [WARP_CPU, CUDA])
 def test_starts_and_rewards_follow_the_cpu_backend(device):
     """Same seeds: the same episode (positions equal to float32 rounding). Same actions:
-    rewards within float32's drift of MuJoCo's C library. Mutation: other actions do not."""
+    rewards within float32's drift of MuJoCo's C library. Mutation: other actions do not. No
+    world is flagged for dropped contacts; one with room for one contact is."""
     sim = WarpPush(N)
     bufs = runtime.BufferSet(sim.specs(), N, device)
     sim.bind(bufs)
@@ -106,8 +107,16 @@ def test_starts_and_rewards_follow_the_cpu_backend(device):
         assert np.allclose(dense.cpu().numpy(), want[0], atol=2e-3)
         assert np.array_equal(sparse.cpu().numpy(), want[1])
     assert not np.allclose(dense.cpu().numpy(), wrong[0], atol=2e-3)
+    assert sim.overflow()["capacity"] == 0  # no contact or constraint was dropped
     sim.observation(obs)
     assert np.allclose(obs.cpu().numpy(), cpu.observation(), atol=5e-3)
+
+    small = WarpPush(N, nconmax=1, njmax=4)  # mutation: room for one contact a world is flagged
+    small.bind(runtime.BufferSet(small.specs(), N, device))
+    small.seed(torch.arange(N, device=device) + 11)
+    small.reset()
+    small.run_ticks(noise(N, 1, device)[0].view(N, 8, 2)[:, :2], dense, sparse)
+    assert small.overflow()["capacity"] == N
 
 
 @pytest.mark.parametrize("device", [WARP_CPU, CUDA])
