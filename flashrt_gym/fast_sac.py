@@ -322,8 +322,10 @@ class FastSAC:
         self.opt.step()
         self._target.lerp_(self._critic, self.cfg.tau)
 
-    def _local_updates(self) -> None:
-        """``updates_per_step`` whole gradient steps (one replay of the single-rank graph)."""
+    def local_updates(self) -> None:
+        """``updates_per_step`` whole gradient steps on this rank's replay, run eagerly: the
+        program that :meth:`update` replays as one graph on a single rank (benchmarks count its
+        operations)."""
         for _ in range(self.cfg.updates_per_step):
             self._backward()
             self._step()
@@ -334,7 +336,7 @@ class FastSAC:
         g = self.graph
         if self.world_size == 1:
             if "steps" not in g:
-                g.capture("steps", self._local_updates, warmup=2)
+                g.capture("steps", self.local_updates, warmup=2)
         elif "backward" not in g:
             g.capture("backward", self._backward, warmup=3)
             g.capture("apply", self._step, warmup=3)

@@ -73,7 +73,7 @@ def fast_sac(hidden: list[int], batch: int, data: dict, device: torch.device, st
     cfg = FastSACConfig(hidden=tuple(hidden), batch_size=batch, buffer_size=n, updates_per_step=1)
     sac = FastSAC(OBS, ACT, n, cfg, device)
     sac.store(data["obs"], data["action"], data["reward"], data["next_obs"], ~data["done"])
-    return timed(sac.update, steps, device), ops_per_step(sac._local_updates)
+    return timed(sac.update, steps, device), ops_per_step(sac.local_updates)
 
 
 def torchrl_sac(hidden: list[int], batch: int, data: dict, device: torch.device, steps: int) -> tuple[float, int]:
