@@ -4,6 +4,7 @@
     python scripts/eval.py agent=sac +checkpoint=outputs/<run>/checkpoints/last.zip # an SB3 agent
     python scripts/eval.py                                   # the base policy alone
     python scripts/eval.py +split=test +video=videos/        # the test starts; two episodes as videos
+    python scripts/eval.py +checkpoint=<...> +video=videos/  # base beside steered, and strip.png
 
 Uses the same config groups as train.py (env, task, policy, agent, runtime); the split is
 ``validation`` unless ``+split=test`` (flashrt_gym.splits). Prints one JSON line.
@@ -14,12 +15,15 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from dataclasses import replace
+from pathlib import Path
 
 import hydra
+import matplotlib.pyplot as plt
 import numpy as np
 from hydra.utils import get_class
 from omegaconf import DictConfig
 
+from flashrt.runtime import atomic_write
 from flashrt_gym import FlashRTVectorEnv
 from flashrt_gym.fast_sac import FastSAC
 from flashrt_gym.fast_training import learner_config
@@ -41,23 +45,55 @@ def load_agent(cfg: DictConfig, checkpoint: str, env: FlashRTVectorEnv) -> Act:
     return lambda obs: model.predict(obs, deterministic=True)[0]
 
 
-def record(cfg: DictConfig, act: Act, action_mode: str, split: str, folder: str) -> None:
-    """Two episodes of ``split`` (run side by side in two slots) as videos in ``folder``."""
-    from gymnasium.utils.save_video import save_video  # needs moviepy (the dev extra)
-
+def episodes(cfg: DictConfig, act: Act | None, action_mode: str, seed: int) -> list[list[np.ndarray]]:
+    """The rendered frames of two episodes from ``reset(seed=seed)`` (two slots side by side),
+    each from its first frame to its last; ``act`` None: zero actions."""
     env = make_env(cfg, 2, autoreset=False, action_mode=action_mode, render_mode="rgb_array")
-    obs, _ = env.reset(seed=eval_seed(split, 2))
-    frames: list[list] = [[f] for f in env.render()]
+    obs, _ = env.reset(seed=seed)
+    zeros = np.zeros(env.action_space.shape, np.float32)
+    frames: list[list[np.ndarray]] = [[f] for f in env.render()]
     alive = [True, True]
     while any(alive):
-        obs, _, term, trunc, _ = env.step(act(obs))
+        obs, _, term, trunc, _ = env.step(zeros if act is None else act(obs))
         for i, frame in enumerate(env.render()):
             if alive[i]:
                 frames[i].append(frame)
                 alive[i] = not bool(term[i] or trunc[i])
-    for i, episode in enumerate(frames):
-        save_video(episode, folder, fps=env.metadata["render_fps"], episode_index=i)
     env.close()
+    return frames
+
+
+def join(images: list[np.ndarray], axis: int) -> np.ndarray:
+    """``images`` joined along ``axis`` (1: side by side, 0: stacked), a white band between."""
+    shape = list(images[0].shape)
+    shape[axis] = 4
+    parts = [images[0]]
+    for image in images[1:]:
+        parts += [np.full(shape, 255, np.uint8), image]
+    return np.concatenate(parts, axis)
+
+
+def record(cfg: DictConfig, steered: Act | None, action_mode: str, split: str, folder: str) -> None:
+    """Two episodes of ``split`` as videos in ``folder``: the base policy's, or, with an agent,
+    the base policy (left) beside the steered one (right) from the same starts (the shorter
+    episode holds its last frame), and ``strip.png``: six frames of the first start, the base
+    policy's row above the steered one's."""
+    from gymnasium.utils.save_video import save_video  # needs moviepy (the dev extra)
+
+    seed, fps = eval_seed(split, 2), FlashRTVectorEnv.metadata["render_fps"]
+    base = episodes(cfg, None, "residual", seed)  # the VLA on its own noise, uncorrected
+    if steered is None:
+        for i, frames in enumerate(base):
+            save_video(frames, folder, fps=fps, episode_index=i, name_prefix="base")
+        return
+    agent = episodes(cfg, steered, action_mode, seed)
+    for i, (left, right) in enumerate(zip(base, agent, strict=True)):
+        n = max(len(left), len(right))
+        frames = [join([left[min(t, len(left) - 1)], right[min(t, len(right) - 1)]], 1) for t in range(n)]
+        save_video(frames, folder, fps=fps, episode_index=i, name_prefix="base-vs-steered")
+    picks = [np.linspace(0, len(e) - 1, 6).round().astype(int) for e in (base[0], agent[0])]
+    image = join([join([e[t] for t in ts], 1) for e, ts in zip((base[0], agent[0]), picks, strict=True)], 0)
+    atomic_write(Path(folder) / "strip.png", lambda f: plt.imsave(f, image, format="png"))
 
 
 @hydra.main(version_base="1.3", config_path="../configs", config_name="train")
@@ -81,7 +117,7 @@ def main(cfg: DictConfig) -> None:
         )
     )
     if video:
-        record(cfg, act, mode, split, str(video))
+        record(cfg, act if checkpoint else None, mode, split, str(video))
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import matplotlib.pyplot as plt
 import pytest
 from hydra import compose, initialize_config_dir
 
@@ -145,8 +146,15 @@ def test_fast_learner_multirun_then_resume_without_pickle_then_eval_and_aggregat
     ckpt = first / "checkpoints/last.safetensors"
     again = train(config(f"resume='{ckpt}'", "resume_replay_buffer=true", "total_steps=24"), tmp_path / "resumed")
     assert again["env_steps"] == 24 and again["ranks"][0]["stored"] == 24  # the step count and the ring came back
-    ev = run("eval.py", "experiment=smoke", f"+checkpoint='{ckpt}'", "+split=test", f"hydra.run.dir={tmp_path}/e")
+    videos = tmp_path / "videos"
+    ev = run(
+        "eval.py", "experiment=smoke", f"+checkpoint='{ckpt}'", "+split=test", f"+video={videos}",
+        f"hydra.run.dir={tmp_path}/e",
+    )  # fmt: skip
     assert json.loads(ev.stdout.strip().splitlines()[-1])["split"] == "test"
+    assert sorted(p.name for p in videos.glob("*.mp4")) == [f"base-vs-steered-episode-{i}.mp4" for i in (0, 1)]
+    strip = plt.imread(videos / "strip.png")  # six frames, the base policy's row above the steered one's
+    assert strip.shape[:2] == (2 * 64 + 4, 6 * 64 + 5 * 4)
     out = run("aggregate.py", str(sweep))
     assert "| default | 2 |" in out.stdout
     assert (
@@ -168,11 +176,12 @@ def test_two_ranks_under_torchrun_split_the_slots_seeds_and_batch(tmp_path):
     assert [r["stored"] for r in ranks] == [12, 12]
 
 
-def test_eval_of_the_base_policy_records_videos(tmp_path):
-    out = run("eval.py", "experiment=smoke", f"+video={tmp_path}/videos", f"hydra.run.dir={tmp_path}/e")
-    result = json.loads(out.stdout.strip().splitlines()[-1])
+@pytest.mark.parametrize("task", ["tabletop", "mujoco_push"])
+def test_eval_of_the_base_policy_records_videos(tmp_path, task):
+    args = ("experiment=smoke", f"task={task}", f"+video={tmp_path}/videos", f"hydra.run.dir={tmp_path}/e")
+    result = json.loads(run("eval.py", *args).stdout.strip().splitlines()[-1])
     assert result["checkpoint"] is None and 0 <= result["success"] <= 1 and result["split"] == "validation"
-    assert len(list((tmp_path / "videos").glob("*.mp4"))) == 2
+    assert sorted(p.name for p in (tmp_path / "videos").glob("*.mp4")) == ["base-episode-0.mp4", "base-episode-1.mp4"]
 
 
 @pytest.mark.parametrize(
