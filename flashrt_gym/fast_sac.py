@@ -259,7 +259,7 @@ class FastSAC:
         self.stored = 0  # transitions stored by this rank (a host count: no read-back to know it)
         self.updates = 0
         if self.world_size > 1:
-            dist.broadcast(self._state_bytes(), 0)
+            dist.broadcast(self.state_bytes(), 0)
 
     # -- acting and storing --------------------------------------------------------------------
     @torch.no_grad()
@@ -365,8 +365,10 @@ class FastSAC:
         return {k: v / n for k, v in zip(STATS, values, strict=False)} if values[-1] else {}
 
     # -- state on disk (safetensors) -----------------------------------------------------------
-    def _state_bytes(self) -> torch.Tensor:
-        """The arena bytes of parameters, targets and Adam state (declared first, back to back)."""
+    def state_bytes(self) -> torch.Tensor:
+        """The learner's state as one byte view of its buffer set: parameters, target critics
+        and Adam state (declared first, back to back), not the replay ring. What rank 0
+        broadcasts at the start, and what two learners compare to be equal."""
         last = self.bufs.placements[self._names(replay=False)[-1]]
         return self.bufs.shared_arena[: last.offset + last.spec.nbytes]
 

@@ -98,6 +98,12 @@ class DeviceReplayBuffer(ReplayBuffer):
         self.device = self.device  # moves the storage
 
     @property
+    def storage(self) -> dict[str, torch.Tensor]:
+        """The stored transitions by name, on the device: ``observations``, ``next_observations``,
+        ``actions``, ``rewards``, ``not_done`` (rows of ``buffer_size * n_envs``) and ``filled``."""
+        return self._store
+
+    @property
     def device(self) -> torch.device:
         return self._device
 
@@ -238,11 +244,13 @@ class GraphSAC(SAC):
         grads = {f"grad.{k.removeprefix('param.')}": t for k, t in live.items() if t.requires_grad}
         specs = [shared(k, t.shape, t.dtype) for k, t in live.items()] + [shared("stats", (4,))]
         specs += [scratch(k, t.shape, t.dtype) for k, t in grads.items()]
-        self._bufs = BufferSet(specs, 1, self.device)
+        self.bufs = BufferSet(specs, 1, self.device)
+        """Every tensor an update touches (parameters, Adam state, replay ring, gradients): the
+        one buffer set the captured update reads and writes."""
         for k, t in grads.items():
-            t.grad = self._bufs[k]
+            t.grad = self.bufs[k]
         backend = "auto" if self.use_graphs else "eager"
-        self._graph = runtime.Graph("graph_sac.step", backend=backend).bind(self._bufs)
+        self._graph = runtime.Graph("graph_sac.step", backend=backend).bind(self.bufs)
         self._bind()
 
     def _prepare_optimizers(self) -> None:
@@ -277,14 +285,14 @@ class GraphSAC(SAC):
                     live[f"opt{i}.lr{j}"] = group["lr"]
                 for p in group["params"]:
                     live |= {f"opt{i}.{s}.{name_of[id(p)]}": opt.state[p][s] for s in ADAM_STATE}
-        live |= {f"replay.{k}": t for k, t in self.replay_buffer._store.items()}
+        live |= {f"replay.{k}": t for k, t in self.replay_buffer.storage.items()}
         return live
 
     def _bind(self) -> None:
-        """Point every tensor the step touches at its view in ``self._bufs``, copying in what SB3
+        """Point every tensor the step touches at its view in ``self.bufs``, copying in what SB3
         put elsewhere since (a loaded model, optimizer state or replay buffer)."""
         for name, t in self._live().items():
-            view = self._bufs[name]
+            view = self.bufs[name]
             if t.data_ptr() == view.data_ptr():
                 continue
             if t.shape != view.shape or t.dtype != view.dtype:
@@ -296,7 +304,7 @@ class GraphSAC(SAC):
             t.data = view
 
     def _excluded_save_params(self) -> list[str]:
-        return [*super()._excluded_save_params(), "_bufs", "_graph"]
+        return [*super()._excluded_save_params(), "bufs", "_graph"]
 
     def save(self, *args: Any, **kwargs: Any) -> None:
         """SB3's ``save``. While it pickles, every bound tensor points at a compact copy of its
@@ -308,7 +316,7 @@ class GraphSAC(SAC):
             super().save(*args, **kwargs)
         finally:
             for name, t in live.items():
-                t.data = self._bufs[name]
+                t.data = self.bufs[name]
 
     def set_parameters(self, *args: Any, **kwargs: Any) -> None:
         super().set_parameters(*args, **kwargs)
@@ -365,7 +373,7 @@ class GraphSAC(SAC):
                 torch._foreach_add_(target, list(self.critic.parameters()), alpha=self.tau)
             polyak_update(self.batch_norm_stats, self.batch_norm_stats_target, 1.0)
         losses = torch.stack([ent_coef.reshape(()), ent_coef_loss.detach(), critic_loss.detach(), actor_loss.detach()])
-        self._bufs["stats"].add_(losses)
+        self.bufs["stats"].add_(losses)
 
     def capture(self, batch_size: int | None = None) -> None:
         """Capture the gradient step at ``batch_size`` (default: the model's) now rather than at
@@ -382,12 +390,12 @@ class GraphSAC(SAC):
         self.policy.set_training_mode(True)
         self.capture(batch_size)
         self._update_learning_rate(self._optimizers())
-        self._bufs["stats"].zero_()
+        self.bufs["stats"].zero_()
         with _no_validation():
             for i in range(gradient_steps):
                 self._graph.replay((batch_size, (self._n_updates + i) % self.target_update_interval == 0))
         self._n_updates += gradient_steps
-        ent_coef, ent_coef_loss, critic_loss, actor_loss = (self._bufs["stats"] / gradient_steps).tolist()
+        ent_coef, ent_coef_loss, critic_loss, actor_loss = (self.bufs["stats"] / gradient_steps).tolist()
         self.logger.record("train/n_updates", self._n_updates, exclude="tensorboard")
         self.logger.record("train/ent_coef", ent_coef)
         self.logger.record("train/actor_loss", actor_loss)

@@ -204,7 +204,7 @@ def _rank(rank: int, world: int, folder: str) -> None:
         sac = filled(seed=0, data=rank, world_size=ranks)  # the same init, each rank its own data
         for _ in range(3):
             sac.update()
-        state = sac._state_bytes().clone()
+        state = sac.state_bytes().clone()
         gathered = [torch.zeros_like(state) for _ in range(world)]
         dist.all_gather(gathered, state)
         out[name] = [bool(torch.equal(gathered[0], g)) for g in gathered]

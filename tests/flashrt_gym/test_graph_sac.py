@@ -118,13 +118,13 @@ def test_state_lives_in_one_buffer_set_and_stays_there_through_load(tmp_path):
     env = SB3VecEnv(num_envs=2, device="cpu", graphs=False, max_episode_steps=3)
     kw = {"learning_starts": 4, "batch_size": 8, "buffer_size": 20_000, "policy_kwargs": {"net_arch": [16]}}
     model = GraphSAC("MlpPolicy", env, seed=0, device="cpu", **kw)
-    arena = model._bufs.shared_arena
+    arena = model.bufs.shared_arena
     lo, hi = arena.data_ptr(), arena.data_ptr() + arena.numel()
 
     def inside(t: torch.Tensor) -> bool:
         return lo <= t.data_ptr() < hi
 
-    tensors = [*model.policy.parameters(), model.log_ent_coef, *model.replay_buffer._store.values()]
+    tensors = [*model.policy.parameters(), model.log_ent_coef, *model.replay_buffer.storage.values()]
     tensors += [
         v for opt in (model.actor.optimizer, model.critic.optimizer) for st in opt.state.values() for v in st.values()
     ]
@@ -137,8 +137,8 @@ def test_state_lives_in_one_buffer_set_and_stays_there_through_load(tmp_path):
     back.load_replay_buffer(tmp_path / "rb.pkl")
     back.capture()  # binds what load put elsewhere: values copied into the views
     assert torch.equal(back.log_ent_coef, model.log_ent_coef)
-    assert torch.equal(back.replay_buffer._store["observations"], model.replay_buffer._store["observations"])
-    b_arena = back._bufs.shared_arena
+    assert torch.equal(back.replay_buffer.storage["observations"], model.replay_buffer.storage["observations"])
+    b_arena = back.bufs.shared_arena
     assert all(
         b_arena.data_ptr() <= p.data_ptr() < b_arena.data_ptr() + b_arena.numel() for p in back.policy.parameters()
     )
