@@ -34,7 +34,9 @@ import subprocess
 import sys
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from benchlib import graph_kernels, provenance, wall_ms
@@ -185,6 +187,17 @@ def testspeed(n: int, nstep: int) -> dict:
     return out
 
 
+def attempt(what: str, errors: list[str], fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)``, or ``{"error": ...}`` where it raises: one failing row is recorded (and
+    counted in ``errors``) and the run goes on to the next."""
+    try:
+        return fn(*args)
+    except Exception as e:  # a row's failure is a result of the run
+        errors.append(f"{what}: {type(e).__name__}: {e}")
+        print(f"{what} failed: {type(e).__name__}: {e}", flush=True)
+        return {"error": f"{type(e).__name__}: {e}"}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", type=int, nargs="+", default=[1, 256, 4096])
@@ -216,28 +229,36 @@ def main() -> None:
     def save() -> None:
         atomic_write(args.out, lambda f: f.write((json.dumps(result, indent=1) + "\n").encode()))
 
+    errors: list[str] = []
     for n in args.sizes:
         row: dict = {"num_envs": n}
         if "mujoco_warp" in args.simulators and n <= args.eager_max:
-            row["mujoco_warp_eager_equals_graph"] = eager_equals_graph(n)
+            row["mujoco_warp_eager_equals_graph"] = attempt(f"{n} eager == graph", errors, eager_equals_graph, n)
         for kind in args.simulators:
-            row[kind] = bench_env(kind, n, args)
+            row[kind] = attempt(f"{n} {kind}", errors, bench_env, kind, n, args)
             print(n, kind, json.dumps({k: v for k, v in row[kind].items() if k != "step_graph_kernels"}), flush=True)
         result["env"].append(row)
         save()
         tick = {
             "worlds": n,
-            "tick_torch_graph_ms": warp_tick(n, "torch", args.reps),
-            "tick_warp_graph_ms": warp_tick(n, "warp", args.reps),
-            f"mjw_step_x{frame_skip}_defaults_ms": mjw_steps(n, frame_skip, False, args.reps),
-            f"mjw_step_x{frame_skip}_ours_ms": mjw_steps(n, frame_skip, True, args.reps),
+            "tick_torch_graph_ms": attempt(f"{n} tick (torch graph)", errors, warp_tick, n, "torch", args.reps),
+            "tick_warp_graph_ms": attempt(f"{n} tick (Warp graph)", errors, warp_tick, n, "warp", args.reps),
+            f"mjw_step_x{frame_skip}_defaults_ms": attempt(
+                f"{n} mjw step (defaults)", errors, mjw_steps, n, frame_skip, False, args.reps
+            ),
+            f"mjw_step_x{frame_skip}_ours_ms": attempt(
+                f"{n} mjw step (ours)", errors, mjw_steps, n, frame_skip, True, args.reps
+            ),
         }
         if args.testspeed:
-            tick["mjwarp_testspeed"] = testspeed(n, args.nstep)
+            tick["mjwarp_testspeed"] = attempt(f"{n} testspeed", errors, testspeed, n, args.nstep)
         print(n, "tick", json.dumps({k: v for k, v in tick.items() if k != "mjwarp_testspeed"}), flush=True)
         result["tick"].append(tick)
+        result["errors"] = errors
         save()
-    print(f"wrote {args.out}")
+    print(f"wrote {args.out}" + (f"; {len(errors)} rows failed (their errors are in the JSON)" if errors else ""))
+    if errors:
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":
