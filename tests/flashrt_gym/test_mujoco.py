@@ -145,16 +145,22 @@ def test_rewards_and_success_follow_the_tabletops_rule():
     assert seen_success and not mutant_fits
 
 
-def test_restore_and_continue_equals_the_uninterrupted_run_byte_for_byte():
-    """Snapshot mid-push (contacts active), continue; restore the rows into a fresh simulator
-    and continue with the same actions: every reward, success flag and state byte agrees."""
+def mid_push() -> tuple[MujocoPush, np.ndarray, list[np.ndarray], list[tuple[np.ndarray, ...]]]:
+    """Three slots pushed into contact by the noisy expert, their state ``rows`` there, five more
+    chunks from there and what driving them gave (the simulator is left after them)."""
     rng = np.random.default_rng(1)
     sim = make(3, seed=11)
     for _ in range(4):
         sim.run_ticks(noisy_expert(sim, rng, 2))
     rows = sim.get_state()
     chunks = [noisy_expert(sim, rng, 3) for _ in range(5)]
-    want = drive(sim, chunks)
+    return sim, rows, chunks, drive(sim, chunks)
+
+
+def test_restore_and_continue_equals_the_uninterrupted_run_byte_for_byte():
+    """Snapshot mid-push (contacts active), continue; restore the rows into a fresh simulator
+    and continue with the same actions: every reward, success flag and state byte agrees."""
+    sim, rows, chunks, want = mid_push()
     fresh = make(3, seed=99)
     fresh.set_state(None, rows)
     assert same(want, drive(fresh, chunks))
@@ -174,13 +180,7 @@ def test_restore_and_continue_equals_the_uninterrupted_run_byte_for_byte():
 def test_restoring_less_than_the_integration_state_diverges(sig):
     """The ablation: the same snapshot restored through a smaller signature (the task fields
     and everything else equal) continues differently, since the solver's warm start is lost."""
-    rng = np.random.default_rng(1)
-    sim = make(3, seed=11)
-    for _ in range(4):
-        sim.run_ticks(noisy_expert(sim, rng, 2))
-    rows = sim.get_state()
-    chunks = [noisy_expert(sim, rng, 3) for _ in range(5)]
-    want = drive(sim, chunks)
+    _, rows, chunks, want = mid_push()
     partial = make(3, seed=11)
     partial.set_state(None, rows)
     for d, full in zip(partial.data, rows[:, : 8 * partial.physics_size].view(np.float64), strict=True):

@@ -7,7 +7,6 @@ Most tests steer a micro policy of random weights (the tiny preset's interface, 
 numbers) to keep the CPU suite fast; what they check does not depend on the policy's size."""
 
 import functools
-from dataclasses import replace
 
 import gymnasium as gym
 import mujoco
@@ -15,25 +14,10 @@ import numpy as np
 import pytest
 import torch
 
-from flashrt.policies import FlowPolicy, save
-from flashrt.policies.config import tiny
 from flashrt_gym import FlashRTVectorEnv
 from flashrt_gym.external import ExternalSimulator, is_external
 from flashrt_gym.sims import MujocoPush, mujoco_push
 from flashrt_gym.tasks import TabletopConfig
-
-
-@pytest.fixture(scope="module")
-def micro(tmp_path_factory):
-    """A random policy with the shipped tiny policy's interface (64x64 image, 2-D actions and
-    proprio, horizon 8, the task's vocabulary) and one layer of width 64."""
-    cfg = replace(
-        tiny(TabletopConfig().vocabulary),
-        width=64, depth=1, heads=2, head_dim=32, mlp=128, vision_width=64, vision_depth=1, vision_heads=2,
-        vision_mlp=128, expert_width=64, expert_mlp=128, steps=2,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    return save(FlowPolicy(cfg), tmp_path_factory.mktemp("micro"))
 
 
 class QposQvelPush(MujocoPush):

@@ -6,7 +6,6 @@ there is no GPU, with ``FLASHRT_WARP_CPU=1`` (minutes: Warp compiles its kernels
 
 import functools
 import os
-from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -15,14 +14,11 @@ import torch
 pytest.importorskip("mujoco_warp")
 
 from flashrt import runtime
-from flashrt.policies import FlowPolicy, save
-from flashrt.policies.config import tiny
 from flashrt_gym import FlashRTVectorEnv
 from flashrt_gym.external import is_external
 from flashrt_gym.sims import MujocoPush, PushConfig, WarpPush
 from flashrt_gym.sims.mujoco_warp import state_offsets
 from flashrt_gym.simulator import Simulator
-from flashrt_gym.tasks import TabletopConfig
 
 CUDA = pytest.param(
     "cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -31,18 +27,6 @@ WARP_CPU = pytest.param(
     "cpu", marks=pytest.mark.skipif(os.environ.get("FLASHRT_WARP_CPU") != "1", reason="set FLASHRT_WARP_CPU=1")
 )
 N = 4
-
-
-@pytest.fixture(scope="module")
-def micro(tmp_path_factory):
-    """A random policy with the tiny policy's interface, one layer of width 64 (fast on a CPU)."""
-    cfg = replace(
-        tiny(TabletopConfig().vocabulary),
-        width=64, depth=1, heads=2, head_dim=32, mlp=128, vision_width=64, vision_depth=1, vision_heads=2,
-        vision_mlp=128, expert_width=64, expert_mlp=128, steps=2,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    return save(FlowPolicy(cfg), tmp_path_factory.mktemp("micro"))
 
 
 def warp_env(device: str, micro, n: int = N, graphs: bool = True, **kw) -> FlashRTVectorEnv:
