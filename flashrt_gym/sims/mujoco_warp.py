@@ -349,19 +349,17 @@ class WarpPush(BoundState):
         wp, current = warp_api().wp, torch.cuda.current_stream(self.device)
         if self._side is None:
             self._side = torch.cuda.Stream(self.device)
-        side = self._side
+        side, on_side = self._side, self._stream_of(self._side)
         if p["graph"] is None:
             saved = [t.clone() for t in self._scratch]
             self._launch(ticks)  # on the torch stream
             for t, s in zip(self._scratch, saved, strict=True):
                 t.copy_(s)
-            side.wait_stream(current)
-            with wp.ScopedStream(self._stream_of(side), sync_enter=False):
-                with wp.ScopedCapture(stream=self._stream_of(side)) as cap:
-                    self._launch(ticks)
+            with wp.ScopedStream(on_side, sync_enter=False), wp.ScopedCapture(stream=on_side) as cap:
+                self._launch(ticks)
             p["graph"] = cap.graph
         side.wait_stream(current)
-        wp.capture_launch(p["graph"], stream=self._stream_of(side))
+        wp.capture_launch(p["graph"], stream=on_side)
         current.wait_stream(side)
 
     def run_ticks(self, actions: torch.Tensor, dense: torch.Tensor, sparse: torch.Tensor) -> None:
