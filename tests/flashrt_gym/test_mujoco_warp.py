@@ -5,6 +5,7 @@ autoresets, and capsules must restore exactly. Warp's CPU backend runs the eager
 there is no GPU, with ``FLASHRT_WARP_CPU=1`` (minutes: Warp compiles its kernels first)."""
 
 import functools
+import math
 import os
 
 import numpy as np
@@ -134,24 +135,62 @@ def test_capsules_restore_exactly_fork_and_qpos_qvel_alone_diverges(device, micr
     assert all(torch.equal(rows[i], rows[0]) for i in range(1, N))
 
 
+def deviation(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    """The largest difference of float outputs, relative to ``1 + |b|``; infinite where an
+    integer or flag output differs at all."""
+    worst = 0.0
+    for x, y in zip(a, b, strict=True):
+        if not x.dtype.is_floating_point:
+            if not torch.equal(x, y):
+                return math.inf
+        elif x.numel():
+            worst = max(worst, float(((x - y).abs() / (1 + y.abs())).max()))
+    return worst
+
+
+LOCKSTEP_TOL = 1e-3
+"""How far one step of two envs from the same boundary may differ, relative to ``1 + |value|``.
+Two env instances given the same steps do not agree bit for bit on MuJoCo Warp (figures in
+docs/PERFORMANCE.md), and pushing contacts grow a last-bit difference into visible divergence
+within a few steps; one step from a shared boundary stays far inside this bound, while one step of
+another ``frame_skip`` moves the clock alone by 0.02 s."""
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_graph_equals_eager_byte_for_byte_through_autoresets():
-    """The captured step (policy, MuJoCo Warp's ticks, autoresets, render, encode) equals the
-    eager step, every output and every physics byte, with episodes ending inside the replays; so
-    does the eager step with the physics replayed from Warp's own graph (``capture="warp"``).
+def test_graph_matches_eager_step_by_step_through_autoresets():
+    """The captured step (policy, MuJoCo Warp's ticks, autoresets, render, encode) matches the
+    eager step taken from the same boundary, every output and the physics rows, with episodes
+    ending inside the replays; so does the eager step with the physics replayed from Warp's own
+    graph (``capture="warp"``). Each step restores every env from the eager env's capsule first:
+    bytes are not compared across runs, since MuJoCo Warp is not bitwise reproducible from run to
+    run (:data:`LOCKSTEP_TOL`). Flags and integer outputs must be equal, floats within the bound.
     Mutation: the same comparison against a simulator of another frame_skip fails."""
     kw = {"max_episode_steps": 3}
-    graph, eager = warp_env("cuda", None, **kw), warp_env("cuda", None, graphs=False, **kw)
-    own = warp_env("cuda", None, graphs=False, capture="warp", **kw)
-    other = warp_env("cuda", None, graphs=False, cfg=PushConfig(frame_skip=9), **kw)
-    acts = noise(N, 7, "cuda", seed=2)
-    for env in (graph, eager, own, other):
+    eager = warp_env("cuda", None, graphs=False, **kw)
+    others = {
+        "graph": warp_env("cuda", None, **kw),
+        "warp": warp_env("cuda", None, graphs=False, capture="warp", **kw),
+        "frame_skip_9": warp_env("cuda", None, graphs=False, cfg=PushConfig(frame_skip=9), **kw),
+    }
+    wrong = others["frame_skip_9"].engine.bufs  # another deployment: restore() refuses eager's capsules
+    assert wrong.layout_digest == eager.engine.bufs.layout_digest
+    for env in (eager, *others.values()):
         env.reset(seed=1)
-    a, b, c, d = run(graph, acts), run(eager, acts), run(own, acts), run(other, acts)
-    assert any(step.any() for step in a[5::7])  # autoresets happened inside the replays
-    assert equal(a, b) and equal(c, b)
-    assert not equal(d, b)
+    worst, autoresets = dict.fromkeys(others, 0.0), 0
+    for a in noise(N, 7, "cuda", seed=2):
+        capsule = eager.snapshot()
+        others["graph"].restore(capsule)
+        others["warp"].restore(capsule)
+        wrong.slot_arena.copy_(eager.engine.bufs.slot_arena)
+        got = {name: run(env, [a]) for name, env in others.items()}
+        want = run(eager, [a])
+        autoresets += int(want[5].sum())
+        for name, out in got.items():
+            worst[name] = max(worst[name], deviation(out, want))
+    assert autoresets  # episodes ended inside the steps compared
+    assert worst["graph"] <= LOCKSTEP_TOL and worst["warp"] <= LOCKSTEP_TOL, worst
+    assert worst["frame_skip_9"] > LOCKSTEP_TOL, worst
 
 
 @pytest.mark.cuda
