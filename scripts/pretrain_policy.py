@@ -5,6 +5,8 @@ autocast on a GPU), logs the loss to tensorboard, and every ``eval_every`` steps
 checkpoint and measures its closed-loop success on seen and held-out instructions
 (``eval_episodes`` each, the unsteered policy drawing its own noise, inside the same captured
 step graph the env uses). Writes ``<out>/step-<N>/`` weight folders and ``<out>/evals.json``.
+An update whose gradient norm is not finite is skipped and counted; ``max_skipped_in_a_row`` of
+them in a row stop the run (its weights no longer move), keeping the weights and the batch.
 
     python scripts/pretrain_policy.py demos=demos steps=6000 out=runs/pretrain
 """
@@ -24,6 +26,7 @@ from torch.utils.tensorboard import SummaryWriter
 from tqdm import tqdm
 
 from flashrt.policies import PRESETS, FlowPolicy, save, tokenizer_for
+from flashrt.runtime import atomic_write
 from flashrt_gym.demos import Windows, load_shards
 from flashrt_gym.devices import resolve_device
 from flashrt_gym.env import FlashRTVectorEnv
@@ -51,6 +54,18 @@ def evaluate(folder: Path, task_cfg: TabletopConfig, cfg: DictConfig, device: st
     return out
 
 
+def stuck(model: FlowPolicy, folder: Path, idx: torch.Tensor, g_state: torch.Tensor, in_a_row: int) -> None:
+    """Stop a run whose updates all have a non-finite gradient norm: its weights no longer move,
+    so every later checkpoint would be this one. Saves the weights (float32) and what draws the
+    last batch (its window indices, the generator's state before the loss) to study the cause."""
+    save(model, folder, dtype=torch.float32)
+    atomic_write(folder / "batch.pt", lambda f: torch.save({"idx": idx.cpu(), "generator": g_state.cpu()}, f))
+    raise FloatingPointError(
+        f"{in_a_row} updates in a row had a non-finite gradient norm: training no longer moves the weights. "
+        f"The weights and the last batch are in {folder}; lower lr, or raise max_skipped_in_a_row to go on"
+    )
+
+
 def run(cfg: DictConfig) -> dict:
     device = str(resolve_device(cfg.device))
     torch.manual_seed(cfg.seed)
@@ -71,7 +86,7 @@ def run(cfg: DictConfig) -> dict:
     out = Path(cfg.out)
     writer = SummaryWriter(out / "tb")
     g = torch.Generator(device=device).manual_seed(cfg.seed)
-    evals, t0, seen, skipped = [], time.perf_counter(), 0, 0
+    evals, t0, seen, skipped, in_a_row = [], time.perf_counter(), 0, 0, 0
     params = sum(p.numel() for p in model.parameters())
     print(
         f"pretrain: {params / 1e6:.1f} M parameters, {len(windows)} windows from {len(data['tick'])} ticks on {device}"
@@ -80,6 +95,7 @@ def run(cfg: DictConfig) -> dict:
     for step in bar:
         model.train()
         idx = torch.randint(len(windows), (cfg.batch_size,), generator=g, device=device)
+        g_state = g.get_state()  # the loss draws its times and noise from here
         with torch.autocast(device_type="cuda", dtype=torch.bfloat16, enabled=device == "cuda"):
             loss = model.loss(windows.batch(idx, text_ids, text_mask), g)
         opt.zero_grad(set_to_none=True)
@@ -87,9 +103,13 @@ def run(cfg: DictConfig) -> dict:
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         if torch.isfinite(grad_norm):
             opt.step()
+            in_a_row = 0
         else:  # one bad batch must not turn every weight into NaN (seen once at lr 1e-3)
-            skipped += 1
+            skipped, in_a_row = skipped + 1, in_a_row + 1
             writer.add_scalar("pretrain/skipped_steps", skipped, step)
+            tqdm.write(f"step {step}: gradient norm {grad_norm.item()}, update skipped ({skipped} so far)")
+            if in_a_row >= cfg.max_skipped_in_a_row:
+                stuck(model, out / f"nonfinite-step-{step}", idx, g_state, in_a_row)
         sched.step()
         seen += cfg.batch_size
         if step % 50 == 0 or step == cfg.steps:
@@ -106,9 +126,16 @@ def run(cfg: DictConfig) -> dict:
                 writer.add_scalar(f"eval/success_{k}", v, step)
             writer.flush()
             rate_text = ", ".join(f"success {k} {v:.3f}" for k, v in rates.items())
-            tqdm.write(f"step {step}: loss {loss.item():.4f}, {rate_text}")
-            summary = {"parameters": params, "seconds": time.perf_counter() - t0, "evals": evals, "config": dict(cfg)}
-            (out / "evals.json").write_text(json.dumps(summary, indent=2, default=str))  # kept after a stop too
+            tqdm.write(f"step {step}: loss {loss.item():.4f}, {rate_text}, {skipped} updates skipped")
+            summary = {
+                "parameters": params,
+                "seconds": time.perf_counter() - t0,
+                "skipped_steps": skipped,
+                "evals": evals,
+                "config": dict(cfg),
+            }
+            text = json.dumps(summary, indent=2, default=str)
+            atomic_write(out / "evals.json", lambda f, text=text: f.write(text.encode()))  # kept after a stop too
     writer.close()
     return summary
 

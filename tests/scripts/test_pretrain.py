@@ -1,0 +1,68 @@
+"""scripts/pretrain_policy.py on a few demonstrations: updates with a non-finite gradient are
+skipped and counted, and a run whose updates all are stops with its weights and batch kept."""
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+from flashrt.policies import FlowPolicy, load
+from flashrt_gym.demos import collect, save_shard
+from flashrt_gym.tasks import TabletopConfig
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def demos(tmp_path_factory):
+    folder, cfg = tmp_path_factory.mktemp("demos"), TabletopConfig()
+    for i, b in enumerate(collect(cfg, 2, num_slots=2, noise_std=0.2, max_ticks=60, seed=1)):
+        save_shard(b, folder / f"shard-{i:04d}.safetensors", cfg)
+    return folder
+
+
+def pretrain(monkeypatch, demos: Path, out: Path, *overrides: str):
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    import pretrain_policy
+
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+        cfg = compose(
+            config_name="pretrain",
+            overrides=[f"demos={demos}", f"out={out}", "device=cpu", "batch_size=2", "warmup=1", *overrides],
+        )
+    return pretrain_policy.run(cfg)
+
+
+def poisoned_at(steps: set[int]):
+    """FlowPolicy.loss, made infinite at the given calls (1-based)."""
+    loss, calls = FlowPolicy.loss, [0]
+
+    def wrapped(self, *args, **kwargs):
+        calls[0] += 1
+        out = loss(self, *args, **kwargs)
+        return out * math.inf if calls[0] in steps else out
+
+    return wrapped
+
+
+def test_a_non_finite_update_is_skipped_and_counted(demos, tmp_path, monkeypatch):
+    monkeypatch.setattr(FlowPolicy, "loss", poisoned_at({2}))
+    overrides = ["steps=3", "eval_every=3", "eval_episodes=1", "max_episode_steps=1"]
+    summary = pretrain(monkeypatch, demos, tmp_path, *overrides)
+    assert summary["skipped_steps"] == 1 and [e["step"] for e in summary["evals"]] == [3]
+    assert json.loads((tmp_path / "evals.json").read_text())["skipped_steps"] == 1
+
+
+def test_a_run_that_no_longer_moves_stops_with_its_weights_and_batch(demos, tmp_path, monkeypatch):
+    monkeypatch.setattr(FlowPolicy, "loss", poisoned_at({2, 3, 4, 5}))
+    with pytest.raises(FloatingPointError, match="3 updates in a row had a non-finite gradient norm"):
+        pretrain(monkeypatch, demos, tmp_path, "steps=10", "eval_every=10", "max_skipped_in_a_row=3")
+    folder = tmp_path / "nonfinite-step-4"
+    model, _ = load(folder)
+    assert all(torch.isfinite(p).all() for p in model.parameters())  # the weights of step 1's update
+    batch = torch.load(folder / "batch.pt")
+    assert batch["idx"].shape == (2,) and batch["generator"].dtype == torch.uint8
+    assert not (tmp_path / "step-10").exists()
