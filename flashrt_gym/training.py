@@ -144,6 +144,17 @@ def check(cfg: DictConfig) -> None:
         _require(Path(cfg.resume).is_file(), "resume", f"no checkpoint file at {cfg.resume}")
 
 
+def task_kwargs(task: dict[str, Any]) -> dict[str, Any]:
+    """The env's keyword for a ``task`` config group: ``simulator=`` (its factory, given the rest of
+    the group) for a task with a simulator of its own (``task=mujoco_push``), else ``task=`` (the
+    built-in tabletop's fields)."""
+    task = dict(task)
+    if "simulator" in task:
+        factory = get_method(task.pop("simulator"))
+        return {"simulator": functools.partial(factory, **task)}
+    return {"task": task}
+
+
 def make_env(
     cfg: DictConfig,
     num_envs: int,
@@ -158,12 +169,7 @@ def make_env(
     env_cfg.pop("num_envs")
     if action_mode is not None:
         env_cfg["action_mode"] = action_mode
-    task = OmegaConf.to_container(cfg.task, resolve=True)
-    if "simulator" in task:  # a simulator of its own (e.g. task=mujoco_push): its factory and config
-        factory = get_method(task.pop("simulator"))
-        env_cfg["simulator"] = functools.partial(factory, **task)
-    else:
-        env_cfg["task"] = task
+    env_cfg |= task_kwargs(OmegaConf.to_container(cfg.task, resolve=True))
     return FlashRTVectorEnv(
         num_envs,
         weights=cfg.policy.weights,

@@ -1,9 +1,10 @@
 """How far can steering the VLA's noise go? Search over noise with fork, against the baselines.
 
 Noise-space RL (``scripts/train.py``) learns a policy over the VLA's initial diffusion noise.
-This script measures how much that lever can move success on the built-in task, without
-learning: every episode runs in a group of K slots that share one boundary; each step the
-slots try K noise chunks (the first is zero noise, the policy's mode; the others are drawn
+This script measures how much that lever can move success on a task (``--task``, a file of
+``configs/task/``: the built-in tabletop by default, or the MuJoCo push task), without learning:
+every episode runs in a group of K slots that share one boundary; each step the slots try K
+noise chunks (the first is zero noise, the policy's mode; the others are drawn
 from N(0, I)), run ``lookahead`` steps (zero noise after the first), and the group continues
 from its best slot (success first, then summed dense reward) by ``fork``: a byte copy of that
 slot's whole state into the other K-1 slots. Beside it, in the same run and on the same starts
@@ -12,6 +13,7 @@ zero (its mode), the corners of the action box (what a saturated tanh actor emit
 N(0, c^2 I) for each ``--scales`` c.
 
     python scripts/steer_search.py --episodes 64 --candidates 8 --lookahead 1
+    python scripts/steer_search.py --task mujoco_warp_push --weights runs/mujoco_pretrain/pretrain/step-2000
 """
 
 from __future__ import annotations
@@ -24,10 +26,14 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from omegaconf import OmegaConf
 
 from flashrt_gym import FlashRTVectorEnv
 from flashrt_gym.devices import resolve_device
 from flashrt_gym.evaluation import TEST_SEED
+from flashrt_gym.training import task_kwargs
+
+TASKS = Path(__file__).resolve().parents[1] / "configs" / "task"
 
 
 def rollout(env: FlashRTVectorEnv, draw: Callable[[int, int], torch.Tensor]) -> np.ndarray:
@@ -76,6 +82,8 @@ def search(env: FlashRTVectorEnv, k: int, lookahead: int, gen: torch.Generator) 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--task", default="tabletop", choices=sorted(f.stem for f in TASKS.glob("*.yaml")))
+    ap.add_argument("--weights", default=None, help="the policy's weight folder (default: the shipped tiny policy)")
     ap.add_argument("--episodes", type=int, default=64)
     ap.add_argument("--candidates", type=int, default=8, help="noise chunks tried per step (K)")
     ap.add_argument("--lookahead", type=int, default=1, help="steps run before choosing (zero noise after the first)")
@@ -88,7 +96,8 @@ def main() -> None:
         raise SystemExit("need --candidates >= 2, --lookahead >= 1 and --episodes >= 1")
     gen = torch.Generator().manual_seed(args.seed)
     args.device = str(resolve_device(args.device))
-    kw = {"device": args.device, "autoreset": False, "reward_mode": "dense"}
+    kw = {"device": args.device, "autoreset": False, "reward_mode": "dense", "weights": args.weights}
+    kw |= task_kwargs(OmegaConf.to_container(OmegaConf.load(TASKS / f"{args.task}.yaml"), resolve=True))
     t = time.perf_counter()
     base = FlashRTVectorEnv(args.episodes, **kw)
     bound = base.step_config.noise_bound
@@ -99,7 +108,8 @@ def main() -> None:
     }
     for c in args.scales:
         baselines[f"normal_x{c:g}_success"] = lambda n, d, c=c: c * torch.randn(n, d, generator=gen)
-    result = {"episodes": args.episodes, "candidates": args.candidates, "lookahead": args.lookahead}
+    result = {"task": args.task, "weights": args.weights}
+    result |= {"episodes": args.episodes, "candidates": args.candidates, "lookahead": args.lookahead}
     result["device"] = args.device
     result.update({name: float(rollout(base, draw).mean()) for name, draw in baselines.items()})
     del base

@@ -1,4 +1,4 @@
-"""Shared test options: `cuda` tests skip cleanly on machines without a CUDA GPU.
+"""Shared test options (`cuda` tests skip cleanly on machines without a CUDA GPU) and fixtures.
 
 Without a GPU, Triton kernels run through Triton's CPU interpreter where Triton is installed
 (the variable must be set before Triton is first imported, hence here).
@@ -6,6 +6,7 @@ Without a GPU, Triton kernels run through Triton's CPU interpreter where Triton 
 
 import importlib.util
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -24,3 +25,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def micro(tmp_path_factory):
+    """A random policy with the shipped tiny policy's interface (64x64 image, 2-D actions and
+    proprio, horizon 8, the task's vocabulary) and one layer of width 64: fast on a CPU."""
+    from flashrt.policies import FlowPolicy, save
+    from flashrt.policies.config import tiny
+    from flashrt_gym.tasks import TabletopConfig
+
+    cfg = replace(
+        tiny(TabletopConfig().vocabulary),
+        width=64, depth=1, heads=2, head_dim=32, mlp=128, vision_width=64, vision_depth=1, vision_heads=2,
+        vision_mlp=128, expert_width=64, expert_mlp=128, steps=2,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return save(FlowPolicy(cfg), tmp_path_factory.mktemp("micro"))

@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -28,7 +30,21 @@ def test_search_runs_and_reports_every_method(tmp_path):
     assert "search with fork" in done.stdout and "saturated" in done.stdout
 
 
+def test_search_runs_on_the_mujoco_task_with_given_weights(tmp_path, micro):
+    pytest.importorskip("mujoco")
+    out = tmp_path / "search.json"
+    cmd = [sys.executable, str(ROOT / "scripts" / "steer_search.py"), "--task", "mujoco_push", "--weights", str(micro)]
+    args = ["--episodes", "3", "--candidates", "2", "--out", str(out)]
+    done = subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert (r["task"], r["weights"], r["episodes"]) == ("mujoco_push", str(micro), 3)
+    assert 0 <= r["search_success"] <= 1 and r["search_env_steps"] % 6 == 0
+
+
 def test_bad_arguments_are_refused():
     cmd = [sys.executable, str(ROOT / "scripts" / "steer_search.py"), "--candidates", "1"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert done.returncode != 0 and "--candidates >= 2" in done.stderr
+    done = subprocess.run([*cmd[:2], "--task", "cartpole"], capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and "invalid choice: 'cartpole'" in done.stderr and "mujoco_push" in done.stderr
