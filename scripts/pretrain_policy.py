@@ -54,6 +54,12 @@ def evaluate(folder: Path, task_cfg: TabletopConfig, cfg: DictConfig, device: st
     return out
 
 
+def nonfinite_grads(model: FlowPolicy) -> list[str]:
+    """The parameters whose gradient holds a NaN or an infinity, in the model's order (where a
+    non-finite gradient first appears points at the operation that made it)."""
+    return [name for name, p in model.named_parameters() if p.grad is not None and not p.grad.isfinite().all()]
+
+
 def stuck(model: FlowPolicy, folder: Path, idx: torch.Tensor, g_state: torch.Tensor, in_a_row: int) -> None:
     """Stop a run whose updates all have a non-finite gradient norm: its weights no longer move,
     so every later checkpoint would be this one. Saves the weights (float32) and what draws the
@@ -107,7 +113,9 @@ def run(cfg: DictConfig) -> dict:
         else:  # one bad batch must not turn every weight into NaN (seen once at lr 1e-3)
             skipped, in_a_row = skipped + 1, in_a_row + 1
             writer.add_scalar("pretrain/skipped_steps", skipped, step)
-            tqdm.write(f"step {step}: gradient norm {grad_norm.item()}, update skipped ({skipped} so far)")
+            bad = nonfinite_grads(model)
+            where = f"non-finite gradients in {len(bad)} tensors, first {bad[:3]}"
+            tqdm.write(f"step {step}: update skipped ({skipped} so far), {where}")
             if in_a_row >= cfg.max_skipped_in_a_row:
                 stuck(model, out / f"nonfinite-step-{step}", idx, g_state, in_a_row)
         sched.step()

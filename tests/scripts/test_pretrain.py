@@ -48,10 +48,12 @@ def poisoned_at(steps: set[int]):
     return wrapped
 
 
-def test_a_non_finite_update_is_skipped_and_counted(demos, tmp_path, monkeypatch):
+def test_a_non_finite_update_is_skipped_and_counted(demos, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(FlowPolicy, "loss", poisoned_at({2}))
     overrides = ["steps=3", "eval_every=3", "eval_episodes=1", "max_episode_steps=1"]
     summary = pretrain(monkeypatch, demos, tmp_path, *overrides)
+    line = next(x for x in capsys.readouterr().out.splitlines() if "update skipped" in x)
+    assert line.startswith("step 2: update skipped (1 so far), non-finite gradients in") and "vision_pos" in line
     assert summary["skipped_steps"] == 1 and [e["step"] for e in summary["evals"]] == [3]
     assert json.loads((tmp_path / "evals.json").read_text())["skipped_steps"] == 1
 
