@@ -8,13 +8,13 @@ episodes end by time limit or success and slots autoreset inside the steps at th
 times); ``--warmup`` steps (the first one captures the step) then ``--steps`` consecutive
 ``step_torch`` calls. Reported: sustained chunks/s (the run's wall time over its steps), mean,
 p50, p99 and max ms per step (CUDA events between consecutive steps), the slots reset. The
-MuJoCo-CPU env runs until ``--cpu-budget-s`` seconds have passed (its physics is one CPU
-thread). For MuJoCo Warp also: graph against eager (the largest relative difference of every output
-and physics value, one step at a time from a shared capsule, through autoresets, at sizes up to
-``--eager-max``; beside it two eager envs, in lockstep and running freely: MuJoCo Warp does not
-repeat a run bit for bit across env instances), the kernels of one replay of the step graph
-(count, span, the top kernels by marginal time) and any warning of the runtime's guarded graph
-(none: the step is one launch with its body a conditional node).
+MuJoCo-CPU envs (physics on one CPU thread, and on a thread per core) run until
+``--cpu-budget-s`` seconds have passed. For MuJoCo Warp also: graph against eager (the largest
+relative difference of every output and physics value, one step at a time from a shared capsule,
+through autoresets, at sizes up to ``--eager-max``; beside it two eager envs, in lockstep and
+running freely: MuJoCo Warp does not repeat a run bit for bit across env instances), the kernels
+of one replay of the step graph (count, span, the top kernels by marginal time) and any warning
+of the runtime's guarded graph (none: the step is one launch with its body a conditional node).
 
 Physics tick alone, at each size: ``WarpPush.run_ticks`` of one tick (control, load,
 ``frame_skip`` MuJoCo Warp steps, store, rewards) recorded in a torch CUDA graph, and replayed
@@ -29,6 +29,7 @@ with this simulator's (a fixed iteration bound, determinism); with ``--testspeed
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -49,7 +50,12 @@ from flashrt_gym.sims import SCENE, MujocoPush, PushConfig, WarpPush, load_scene
 from flashrt_gym.sims.mujoco_warp import ITERATIONS
 from flashrt_gym.sims.warp_api import warp_api
 
-SIMULATORS = {"mujoco_warp": WarpPush, "mujoco_cpu": MujocoPush, "tabletop": None}
+SIMULATORS = {
+    "mujoco_warp": WarpPush,
+    "mujoco_cpu": MujocoPush,  # one CPU thread
+    "mujoco_cpu_all_cores": functools.partial(MujocoPush, threads=os.cpu_count() or 1),
+    "tabletop": None,
+}
 
 
 def make_env(kind: str, n: int, graphs: bool = True) -> FlashRTVectorEnv:
@@ -145,7 +151,7 @@ def bench_env(kind: str, n: int, args: argparse.Namespace) -> dict:
         torch.cuda.synchronize()
         first = time.perf_counter() - t
     row = {"first_step_s_with_capture": first}
-    cpu = kind == "mujoco_cpu"  # its physics is one CPU thread: few warm-up steps, a time budget
+    cpu = kind.startswith("mujoco_cpu")  # physics on the host's CPU: few warm-up steps, a time budget
     row |= sustained(env, args.steps, min(args.warmup, 2) if cpu else args.warmup, args.cpu_budget_s if cpu else None)
     if kind == "mujoco_warp":
         row["guarded_graph_warnings"] = [str(w.message) for w in caught if "runtime.guarded" in str(w.message)]

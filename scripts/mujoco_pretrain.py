@@ -5,10 +5,11 @@
    ``--slots`` (``flashrt_gym.sims.demos.collect_batch``), ``--workers`` batches at a time in
    parallel processes, one shard per batch in the format of ``flashrt_gym.demos``.
 2. Pretrain (unless ``--collect-only``): ``scripts/pretrain_policy.py``'s ``run`` on those shards
-   with ``configs/pretrain.yaml`` (composed by Hydra) and the ``key=value`` overrides given, its checkpoints evaluated
-   in closed loop on the MuJoCo push task (``flashrt_gym.sims.demos.evaluate``, seen and held-out
-   instructions, validation starts) instead of the 2-D tabletop. Writes ``<out>/pretrain/step-N/``
-   weights and ``<out>/pretrain/evals.json``.
+   with ``configs/pretrain.yaml`` (composed by Hydra) and the ``key=value`` overrides given, its
+   checkpoints evaluated in closed loop on the MuJoCo push task
+   (``flashrt_gym.sims.demos.evaluate``, seen and held-out instructions, validation starts, the
+   physics on ``--eval-threads`` CPU threads) instead of the 2-D tabletop. Writes
+   ``<out>/pretrain/step-N/`` weights and ``<out>/pretrain/evals.json``.
 
     python scripts/mujoco_pretrain.py --episodes 4000 --workers 16 --out runs/mujoco_pretrain steps=2500
 """
@@ -20,6 +21,7 @@ import contextlib
 import dataclasses
 import functools
 import multiprocessing
+import os
 from concurrent.futures import ProcessPoolExecutor
 from itertools import count
 from pathlib import Path
@@ -67,6 +69,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     ap.add_argument("--max-ticks", type=int, default=160)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--frame-skip", type=int, default=PushConfig().frame_skip)
+    ap.add_argument("--eval-threads", type=int, default=os.cpu_count() or 1, help="CPU threads of the evaluations")
     ap.add_argument("--collect-only", action="store_true")
     ap.add_argument("--out", type=Path, default=Path("runs/mujoco_pretrain"))
     ap.add_argument("overrides", nargs="*", help="configs/pretrain.yaml keys as key=value (demos and out are set)")
@@ -87,6 +90,7 @@ def main(argv: list[str] | None = None) -> dict | None:
             n_action_steps=cfg.n_action_steps,
             max_episode_steps=cfg.max_episode_steps,
             device=device,
+            threads=args.eval_threads,
         )
 
     with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):

@@ -35,10 +35,10 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def mujoco_push(num_envs: int, cfg: Any = None) -> Any:
+def mujoco_push(num_envs: int, cfg: Any = None, threads: int = 1) -> Any:
     """``FlashRT-MuJoCoPush``'s simulator: :class:`MujocoPush` of ``num_envs`` slots (``cfg``: a
-    :class:`PushConfig` or a mapping of its fields)."""
-    return __getattr__("MujocoPush")(num_envs, cfg)
+    :class:`PushConfig` or a mapping of its fields) stepped by ``threads`` CPU threads."""
+    return __getattr__("MujocoPush")(num_envs, cfg, threads)
 
 
 def warp_push(num_envs: int, cfg: Any = None, **options: Any) -> Any:

@@ -152,9 +152,11 @@ def evaluate(
     max_episode_steps: int,
     device: str = "cpu",
     seed: int = VALIDATION_SEED,
+    threads: int = 1,
 ) -> dict[str, float]:
     """Success rate of the unsteered policy in ``weights`` on the push task, seen (``train``) and
-    held-out instructions, one episode per slot from ``seed``'s starts."""
+    held-out instructions, one episode per slot from ``seed``'s starts (the physics stepped by
+    ``threads`` CPU threads)."""
     out = {}
     for split in ("train", "heldout"):
         split_cfg = dataclasses.replace(cfg, table=dataclasses.replace(cfg.table, split=split))
@@ -162,7 +164,7 @@ def evaluate(
             episodes,
             action_mode="residual",
             autoreset=False,
-            simulator=functools.partial(MujocoPush, cfg=split_cfg),
+            simulator=functools.partial(MujocoPush, cfg=split_cfg, threads=threads),
             weights=weights,
             device=device,
             n_action_steps=n_action_steps,

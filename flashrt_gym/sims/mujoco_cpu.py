@@ -14,6 +14,7 @@ its iterations stop at other bits, which contacts then amplify.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import mujoco
@@ -59,6 +60,8 @@ class MujocoPush:
         num_slots: parallel episodes.
         cfg: the task's parameters, or a mapping of them (default: the shipped scene and the
             tabletop's defaults).
+        threads: CPU threads that step the slots (MuJoCo releases the GIL while it steps); each
+            slot's physics is its own, so the results are the same bytes for any count.
     """
 
     num_cameras = 1
@@ -68,9 +71,13 @@ class MujocoPush:
     physics_signature = STATE_SIG
     """What a state row holds of MuJoCo's state (an ``mjtState`` signature)."""
 
-    def __init__(self, num_slots: int, cfg: PushConfig | Mapping[str, Any] | None = None) -> None:
+    def __init__(self, num_slots: int, cfg: PushConfig | Mapping[str, Any] | None = None, threads: int = 1) -> None:
         if isinstance(num_slots, bool) or int(num_slots) < 1:
             raise ValueError(f"num_slots must be an int >= 1, got {num_slots!r}")
+        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+            raise ValueError(f"threads must be an int >= 1 (e.g. os.cpu_count()), got {threads!r}")
+        self.threads = threads
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="mujoco") if threads > 1 else None
         self.cfg = cfg = as_push_config(cfg)
         self.num_slots = int(num_slots)
         self.model, self.layout = load_scene(cfg)
@@ -213,10 +220,7 @@ class MujocoPush:
         before = self.task.distances(ee, obj, instr)
         for t in range(a.shape[1]):
             alive = ~self.success()
-            for i in np.flatnonzero(alive):
-                d = self.data[i]
-                d.ctrl[self._act] = a[i, t]
-                mujoco.mj_step(self.model, d, nstep=self.cfg.frame_skip)
+            self._step(np.flatnonzero(alive), a[:, t])
             ee, obj, _ = self.poses()
             after = self.task.distances(ee, obj, instr)
             dn, sp, success = self.task.rewards(before, after, torch.from_numpy(alive))
@@ -226,6 +230,20 @@ class MujocoPush:
             self._field("tick")[alive] += 1
             before = after
         return dense.float().numpy(), sparse.float().numpy()
+
+    def _step(self, slots: np.ndarray, ctrl: np.ndarray) -> None:
+        """One tick of ``slots`` at end-effector commands ``ctrl`` (slots, 2), over the threads."""
+
+        def tick(part: np.ndarray) -> None:
+            for i in part:
+                d = self.data[i]
+                d.ctrl[self._act] = ctrl[i]
+                mujoco.mj_step(self.model, d, nstep=self.cfg.frame_skip)
+
+        if self._pool is None or len(slots) < 2:
+            tick(slots)
+        else:
+            list(self._pool.map(tick, np.array_split(slots, min(self.threads, len(slots)))))
 
     # -- observations --------------------------------------------------------------------------
     def observation(self) -> np.ndarray:

@@ -169,6 +169,18 @@ def test_restore_and_continue_equals_the_uninterrupted_run_byte_for_byte():
     assert same(want, drive(sim, chunks))
 
 
+def test_threads_step_the_same_bytes():
+    """Stepped by two threads, the mid-push snapshot continues byte for byte as it does on one; a
+    thread count that is not an int >= 1 is refused by name."""
+    _, rows, chunks, want = mid_push()
+    threaded = MujocoPush(3, threads=2)
+    threaded.set_state(None, rows)
+    assert same(want, drive(threaded, chunks))
+    for bad in (0, 2.0, True):
+        with pytest.raises(ValueError, match="threads must be an int >= 1"):
+            MujocoPush(1, threads=bad)
+
+
 @pytest.mark.parametrize(
     "sig",
     [
