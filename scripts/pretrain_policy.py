@@ -22,6 +22,7 @@ from pathlib import Path
 import hydra
 import torch
 from omegaconf import DictConfig
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.tensorboard import SummaryWriter
 from tqdm import tqdm
 
@@ -60,15 +61,32 @@ def nonfinite_grads(model: FlowPolicy) -> list[str]:
     return [name for name, p in model.named_parameters() if p.grad is not None and not p.grad.isfinite().all()]
 
 
-def stuck(model: FlowPolicy, folder: Path, idx: torch.Tensor, g_state: torch.Tensor, in_a_row: int) -> None:
+def finite_with_math_attention(model: FlowPolicy, batch: dict, g: torch.Generator, g_state: torch.Tensor) -> bool:
+    """Whether the same batch, with the same times and noise, gives finite gradients when every
+    attention runs SDPA's math backend (plain autograd): tells a fused attention kernel's backward
+    apart from the model's own numbers."""
+    g.set_state(g_state)
+    model.zero_grad(set_to_none=True)
+    cuda = next(model.parameters()).is_cuda
+    with sdpa_kernel(SDPBackend.MATH), torch.autocast(device_type="cuda", dtype=torch.bfloat16, enabled=cuda):
+        model.loss(batch, g).backward()
+    return not nonfinite_grads(model)
+
+
+def stuck(
+    model: FlowPolicy, folder: Path, idx: torch.Tensor, g_state: torch.Tensor, in_a_row: int, math_finite: bool
+) -> None:
     """Stop a run whose updates all have a non-finite gradient norm: its weights no longer move,
     so every later checkpoint would be this one. Saves the weights (float32) and what draws the
-    last batch (its window indices, the generator's state before the loss) to study the cause."""
+    last batch (its window indices, the generator's state before the loss) to study the cause;
+    ``math_finite``: whether that batch's gradients are finite with SDPA's math backend."""
     save(model, folder, dtype=torch.float32)
     atomic_write(folder / "batch.pt", lambda f: torch.save({"idx": idx.cpu(), "generator": g_state.cpu()}, f))
+    verdict = "finite" if math_finite else "non-finite too"
     raise FloatingPointError(
         f"{in_a_row} updates in a row had a non-finite gradient norm: training no longer moves the weights. "
-        f"The weights and the last batch are in {folder}; lower lr, or raise max_skipped_in_a_row to go on"
+        f"With SDPA's math backend the last batch's gradients are {verdict}. The weights and the batch are in "
+        f"{folder}; lower lr, or raise max_skipped_in_a_row to go on"
     )
 
 
@@ -117,7 +135,8 @@ def run(cfg: DictConfig) -> dict:
             where = f"non-finite gradients in {len(bad)} tensors, first {bad[:3]}"
             tqdm.write(f"step {step}: update skipped ({skipped} so far), {where}")
             if in_a_row >= cfg.max_skipped_in_a_row:
-                stuck(model, out / f"nonfinite-step-{step}", idx, g_state, in_a_row)
+                math_finite = finite_with_math_attention(model, windows.batch(idx, text_ids, text_mask), g, g_state)
+                stuck(model, out / f"nonfinite-step-{step}", idx, g_state, in_a_row, math_finite)
         sched.step()
         seen += cfg.batch_size
         if step % 50 == 0 or step == cfg.steps:

@@ -58,10 +58,14 @@ def test_a_non_finite_update_is_skipped_and_counted(demos, tmp_path, monkeypatch
     assert json.loads((tmp_path / "evals.json").read_text())["skipped_steps"] == 1
 
 
-def test_a_run_that_no_longer_moves_stops_with_its_weights_and_batch(demos, tmp_path, monkeypatch):
-    monkeypatch.setattr(FlowPolicy, "loss", poisoned_at({2, 3, 4, 5}))
-    with pytest.raises(FloatingPointError, match="3 updates in a row had a non-finite gradient norm"):
+@pytest.mark.parametrize(("poisoned", "verdict"), [({2, 3, 4}, "are finite"), ({2, 3, 4, 5}, "are non-finite too")])
+def test_a_run_that_no_longer_moves_stops_with_its_weights_and_batch(demos, tmp_path, monkeypatch, poisoned, verdict):
+    """Three non-finite updates in a row stop the run; the last batch is run again with SDPA's
+    math backend (the loss's fifth call), whose verdict the error gives."""
+    monkeypatch.setattr(FlowPolicy, "loss", poisoned_at(poisoned))
+    with pytest.raises(FloatingPointError, match="3 updates in a row had a non-finite gradient norm") as err:
         pretrain(monkeypatch, demos, tmp_path, "steps=10", "eval_every=10", "max_skipped_in_a_row=3")
+    assert f"math backend the last batch's gradients {verdict}" in str(err.value)
     folder = tmp_path / "nonfinite-step-4"
     model, _ = load(folder)
     assert all(torch.isfinite(p).all() for p in model.parameters())  # the weights of step 1's update
