@@ -38,6 +38,7 @@ Segment = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
 keys valid; any strides, e.g. an expanded per-slot flag)."""
 
 MAX_SEGMENTS = 3  # context segments one kernel launch reads in place; more are concatenated first
+COMBINE_DIMS = 64  # head dims one program of the split-merge kernel takes
 
 
 def _concat(context: Sequence[Segment]) -> Segment:
@@ -216,9 +217,12 @@ if triton is not None:
 
     @triton.jit
     def _combine_kernel(
-        part, out, TQ, H, G, SPLITS: tl.constexpr, BM: tl.constexpr, D: tl.constexpr, GDC: tl.constexpr
-    ):
-        """Merge the SPLITS softmax states of _attention_kernel's split programs into ``out``."""
+        part, out, TQ, H, G,
+        SPLITS: tl.constexpr, BM: tl.constexpr, D: tl.constexpr, DB: tl.constexpr, GDC: tl.constexpr,
+    ):  # fmt: skip
+        """Merge the SPLITS softmax states of _attention_kernel's split programs into ``out``;
+        program (i, j, c) takes dims c*DB .. (c+1)*DB of its rows, so that a wide head (pi0's
+        256) is merged by more programs, each holding a (BM, DB) accumulator in registers."""
         inputs_ready(GDC)
         pid_nk = tl.program_id(1)
         n = (pid_nk // (H // G)).to(tl.int64)
@@ -226,8 +230,8 @@ if triton is not None:
         live = rows < G * TQ
         head = (pid_nk % (H // G)) * G + rows // TQ
         t = rows % TQ
-        dims = tl.arange(0, D)
-        acc = tl.zeros((BM, D), dtype=tl.float32)
+        dims = tl.program_id(2) * DB + tl.arange(0, DB)
+        acc = tl.zeros((BM, DB), dtype=tl.float32)
         m_i = tl.full((BM,), float("-inf"), tl.float32)
         l_i = tl.zeros((BM,), dtype=tl.float32)
         for s in tl.static_range(SPLITS):  # unrolled: every split's loads in flight at once
@@ -322,9 +326,10 @@ def attention_triton(
             **dependent_launch(q.device, programs * splits),
         )  # fmt: skip
         if splits > 1:
-            _combine_kernel[grid](
-                part, out, tq, h, group, SPLITS=splits, BM=bm, D=d, num_warps=4,
-                **dependent_launch(q.device, programs),
+            db = min(d, COMBINE_DIMS)
+            _combine_kernel[(*grid, d // db)](
+                part, out, tq, h, group, SPLITS=splits, BM=bm, D=d, DB=db, num_warps=4,
+                **dependent_launch(q.device, programs * (d // db)),
             )  # fmt: skip
     return out
 
