@@ -1,8 +1,10 @@
 """The push task on MuJoCo Warp, an in-graph simulator, through the env. Skipped without
-``mujoco_warp``. On CUDA (``pytest -m cuda``) the env records the whole step (policy and
-MuJoCo Warp's physics) as one graph: it must equal the eager step byte for byte through
-autoresets, and capsules must restore exactly. Warp's CPU backend runs the eager tests where
-there is no GPU, with ``FLASHRT_WARP_CPU=1`` (minutes: Warp compiles its kernels first)."""
+``mujoco_warp``. On CUDA (``pytest -m cuda``) the env records the whole step (policy and MuJoCo
+Warp's physics) as one graph: at one world it must equal the eager step byte for byte through
+autoresets; over several worlds, where MuJoCo Warp does not repeat a run bit for bit, it must
+match it step by step within a bound; capsules must restore exactly. Warp's CPU backend runs the
+eager tests where there is no GPU, with ``FLASHRT_WARP_CPU=1`` (minutes: Warp compiles its
+kernels first)."""
 
 import functools
 import math
@@ -148,23 +150,48 @@ def deviation(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
     return worst
 
 
-LOCKSTEP_TOL = 1e-3
-"""How far one step of two envs from the same boundary may differ, relative to ``1 + |value|``.
-Two env instances given the same steps do not agree bit for bit on MuJoCo Warp (figures in
-docs/PERFORMANCE.md), and pushing contacts grow a last-bit difference into visible divergence
-within a few steps; one step from a shared boundary stays far inside this bound, while one step of
-another ``frame_skip`` moves the clock alone by 0.02 s."""
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_graph_equals_eager_byte_for_byte_at_one_world():
+    """At one world the captured step (policy, MuJoCo Warp's ticks, autoresets, render, encode)
+    equals the eager step byte for byte, every output and the physics row, through episodes that
+    end inside the replays; so does the eager step with the physics replayed from Warp's own graph
+    (``capture="warp"``). Mutation: a simulator of another frame_skip differs."""
+    kw = {"n": 1, "max_episode_steps": 3}
+    envs = {
+        "eager": warp_env("cuda", None, graphs=False, **kw),
+        "graph": warp_env("cuda", None, **kw),
+        "warp": warp_env("cuda", None, graphs=False, capture="warp", **kw),
+        "frame_skip_9": warp_env("cuda", None, graphs=False, cfg=PushConfig(frame_skip=9), **kw),
+    }
+    acts = noise(1, 8, "cuda", seed=2)
+    out = {}
+    for name, env in envs.items():
+        env.reset(seed=1)
+        out[name] = run(env, acts)
+    assert sum(int(f.sum()) for f in out["eager"][5::7])  # episodes ended inside the steps compared
+    assert equal(out["graph"], out["eager"]) and equal(out["warp"], out["eager"])
+    assert not equal(out["frame_skip_9"], out["eager"])
+
+
+LOCKSTEP_TOL = 0.1
+"""How far one step of two envs of several worlds from the same boundary may differ, relative to
+``1 + |value|``. With more than one world MuJoCo Warp does not repeat a step bit for bit from run
+to run, even in its deterministic mode; where the solver stops at its iteration bound, contacts
+grow that into large differences within the 40 physics steps of a chunk (figures in
+docs/PERFORMANCE.md). This bound leaves room for that on the test's trajectories and still
+catches a step computed wrongly: one step of another ``frame_skip`` differs by far more."""
 
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_graph_matches_eager_step_by_step_through_autoresets():
-    """The captured step (policy, MuJoCo Warp's ticks, autoresets, render, encode) matches the
-    eager step taken from the same boundary, every output and the physics rows, with episodes
-    ending inside the replays; so does the eager step with the physics replayed from Warp's own
-    graph (``capture="warp"``). Each step restores every env from the eager env's capsule first:
-    bytes are not compared across runs, since MuJoCo Warp is not bitwise reproducible from run to
-    run (:data:`LOCKSTEP_TOL`). Flags and integer outputs must be equal, floats within the bound.
+def test_graph_matches_eager_step_by_step_over_several_worlds():
+    """Over several worlds the captured step matches the eager step taken from the same
+    boundary, every output and the physics rows, with episodes ending inside the replays; so does
+    the eager step with the physics replayed from Warp's own graph (``capture="warp"``). Each step
+    restores every env from the eager env's capsule first, so that run-to-run differences cannot
+    accumulate (:data:`LOCKSTEP_TOL`); this is what the one-world test cannot see: a slot's rows
+    mixed with another's. Flags and integer outputs must be equal, floats within the bound.
     Mutation: the same comparison against a simulator of another frame_skip fails."""
     kw = {"max_episode_steps": 3}
     eager = warp_env("cuda", None, graphs=False, **kw)
