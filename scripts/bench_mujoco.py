@@ -19,8 +19,9 @@ of the runtime's guarded graph (none: the step is one launch with its body a con
 Physics tick alone, at each size: ``WarpPush.run_ticks`` of one tick (control, load,
 ``frame_skip`` MuJoCo Warp steps, store, rewards) recorded in a torch CUDA graph, and replayed
 from Warp's own graph (``capture="warp"``); MuJoCo Warp's ``step`` x ``frame_skip`` in a Warp
-graph with MuJoCo Warp's default options (the solver's conditional loop, no determinism) and
-with this simulator's (a fixed iteration bound, determinism); with ``--testspeed``,
+graph with MuJoCo Warp's default options (the solver's conditional loop, no determinism), with
+this simulator's (a fixed iteration bound, determinism) and with each of those two alone
+(``MJW_OPTIONS``); with ``--testspeed``,
 ``mjwarp-testspeed`` (MuJoCo Warp's own benchmark) on the scene.
 
     python scripts/bench_mujoco.py --testspeed --out $OUT/bench_mujoco.json
@@ -50,6 +51,12 @@ from flashrt_gym.sims import SCENE, MujocoPush, PushConfig, WarpPush, load_scene
 from flashrt_gym.sims.mujoco_warp import ITERATIONS
 from flashrt_gym.sims.warp_api import warp_api
 
+MJW_OPTIONS = [  # (row name, a fixed iteration bound, determinism): the simulator's two options apart
+    ("defaults", False, False),
+    ("fixed_iterations", True, False),
+    ("deterministic", False, True),
+    ("ours", True, True),
+]
 SIMULATORS = {
     "mujoco_warp": WarpPush,
     "mujoco_cpu": MujocoPush,  # one CPU thread
@@ -185,16 +192,19 @@ def warp_tick(n: int, capture: str, reps: int) -> float:
     return wall_ms(graph.replay, reps)
 
 
-def mjw_steps(n: int, frame_skip: int, ours: bool, reps: int) -> float:
+def mjw_steps(n: int, frame_skip: int, fixed_iterations: bool, deterministic: bool, reps: int) -> float:
     """Median ms of MuJoCo Warp's own ``step`` x ``frame_skip`` in a Warp graph, from the scene's
-    initial state, with MuJoCo Warp's default options or this simulator's."""
+    initial state, under MuJoCo Warp's default options but for the two this simulator sets:
+    ``fixed_iterations`` (at most ``ITERATIONS`` solver iterations, run as a fixed loop instead of
+    the solver's conditional node) and ``deterministic`` (every determinism feature)."""
     k = warp_api()
     mjm, _ = load_scene(PushConfig())
-    if ours:
+    if fixed_iterations:
         mjm.opt.iterations = min(mjm.opt.iterations, ITERATIONS)
     m = k.mjw.put_model(mjm)
-    if ours:
+    if fixed_iterations:
         m.opt.graph_conditional = False
+    if deterministic:
         m.opt.deterministic = int(k.mjw.DeterminismType.ALL)
     d = k.mjw.make_data(mjm, nworld=n, nconmax=32, njmax=160)
     for _ in range(frame_skip):  # load the modules
@@ -274,12 +284,12 @@ def main() -> None:
             "worlds": n,
             "tick_torch_graph_ms": attempt(f"{n} tick (torch graph)", errors, warp_tick, n, "torch", args.reps),
             "tick_warp_graph_ms": attempt(f"{n} tick (Warp graph)", errors, warp_tick, n, "warp", args.reps),
-            f"mjw_step_x{frame_skip}_defaults_ms": attempt(
-                f"{n} mjw step (defaults)", errors, mjw_steps, n, frame_skip, False, args.reps
-            ),
-            f"mjw_step_x{frame_skip}_ours_ms": attempt(
-                f"{n} mjw step (ours)", errors, mjw_steps, n, frame_skip, True, args.reps
-            ),
+            **{
+                f"mjw_step_x{frame_skip}_{name}_ms": attempt(
+                    f"{n} mjw step ({name})", errors, mjw_steps, n, frame_skip, fixed, det, args.reps
+                )
+                for name, fixed, det in MJW_OPTIONS
+            },
         }
         if args.testspeed:
             tick["mjwarp_testspeed"] = attempt(f"{n} testspeed", errors, testspeed, n, args.nstep)
