@@ -1,6 +1,7 @@
 """Behaviour cloning of the VLA flow policy on expert demonstrations (flow-matching loss).
 
-Reads the shards of scripts/collect_demos.py, trains the chosen preset with AdamW (bf16
+Reads the shards of scripts/collect_demos.py, trains the chosen preset (from scratch, or from the
+weights in ``init`` to fine-tune them on these demonstrations) with AdamW (bf16
 autocast on a GPU), logs the loss to tensorboard, and every ``eval_every`` steps saves a
 checkpoint and measures its closed-loop success on seen and held-out instructions
 (``eval_episodes`` each, the unsteered policy drawing its own noise, inside the same captured
@@ -26,7 +27,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.tensorboard import SummaryWriter
 from tqdm import tqdm
 
-from flashrt.policies import PRESETS, FlowPolicy, save, tokenizer_for
+from flashrt.policies import PRESETS, FlowPolicy, load, save, tokenizer_for
 from flashrt.runtime import atomic_write
 from flashrt_gym.demos import Windows, load_shards
 from flashrt_gym.devices import resolve_device
@@ -90,11 +91,27 @@ def stuck(
     )
 
 
+def initial_model(cfg: DictConfig, task_cfg: TabletopConfig, device: str) -> FlowPolicy:
+    """The preset's model for the demonstrations' task, freshly initialised, or with ``cfg.init``'s
+    weights (float32), which must be a model of that same configuration."""
+    want = PRESETS[cfg.preset](task_cfg.vocabulary)
+    if cfg.init is None:
+        return FlowPolicy(want).to(device)
+    model, _ = load(cfg.init, device=device)
+    if model.cfg != want:
+        raise ValueError(
+            f"init={cfg.init} holds a model of another configuration than preset={cfg.preset} for these "
+            f"demonstrations' task (a different size or vocabulary); start from weights of preset {cfg.preset} "
+            "trained on the same instructions, or set init=null"
+        )
+    return model
+
+
 def run(cfg: DictConfig) -> dict:
     device = str(resolve_device(cfg.device))
     torch.manual_seed(cfg.seed)
     data, task_cfg = load_shards(cfg.demos)
-    model = FlowPolicy(PRESETS[cfg.preset](task_cfg.vocabulary)).to(device)
+    model = initial_model(cfg, task_cfg, device)
     text_ids, text_mask = (t.to(device) for t in tokenizer_for(model.cfg).encode(Tabletop(task_cfg).instructions))
     windows = Windows(
         data, n_obs=model.cfg.n_obs_steps, horizon=model.cfg.horizon, stride=cfg.n_action_steps, device=device

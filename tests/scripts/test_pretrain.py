@@ -1,5 +1,6 @@
 """scripts/pretrain_policy.py on a few demonstrations: updates with a non-finite gradient are
-skipped and counted, and a run whose updates all are stops with its weights and batch kept."""
+skipped and counted, a run whose updates all are stops with its weights and batch kept, and a
+run can start from a weights folder (fine-tuning)."""
 
 import json
 import math
@@ -8,8 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
+from safetensors.torch import load_file
 
 from flashrt.policies import FlowPolicy, load
+from flashrt_gym.assets import TINY
 from flashrt_gym.demos import collect, save_shard
 from flashrt_gym.tasks import TabletopConfig
 
@@ -72,3 +75,18 @@ def test_a_run_that_no_longer_moves_stops_with_its_weights_and_batch(demos, tmp_
     batch = torch.load(folder / "batch.pt")
     assert batch["idx"].shape == (2,) and batch["generator"].dtype == torch.uint8
     assert not (tmp_path / "step-10").exists()
+
+
+@pytest.mark.parametrize("init", [True, False])
+def test_a_run_can_start_from_a_weights_folder(demos, tmp_path, monkeypatch, init):
+    """``init``: the run starts from those weights (with lr 0 its checkpoint is them, to the
+    bit); without it (the mutation) from a fresh model."""
+    overrides = ["steps=1", "eval_every=1", "eval_episodes=1", "max_episode_steps=1", "lr=0"]
+    pretrain(monkeypatch, demos, tmp_path, *overrides, f"init={TINY if init else 'null'}")
+    got, want = load_file(tmp_path / "step-1" / "model.safetensors"), load_file(TINY / "model.safetensors")
+    assert all(torch.equal(got[k], want[k]) for k in want) == init
+
+
+def test_init_of_another_configuration_is_refused(demos, tmp_path, monkeypatch, micro):
+    with pytest.raises(ValueError, match="holds a model of another configuration than preset=tiny"):
+        pretrain(monkeypatch, demos, tmp_path, "steps=1", f"init={micro}")
