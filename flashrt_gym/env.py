@@ -71,7 +71,8 @@ class FlashRTVectorEnv(VectorEnv):
     task: the built-in tabletop's :class:`TabletopConfig` (or a dict of its fields).
     simulator: a callable that takes ``num_envs`` and returns a fresh simulator, in-graph
     (:class:`~flashrt_gym.simulator.Simulator`) or external (:class:`~flashrt_gym.external.ExternalSimulator`)
-    (default: the tabletop of ``task``). weights: a policy folder (default: the shipped ``tiny`` policy).
+    (default: the tabletop of ``task``). weights: a policy folder (default: the simulator's
+    ``pretrained_weights`` where it names one, else the shipped tabletop ``tiny`` policy).
     device: ``"auto"`` (CUDA when present), ``"cpu"`` or ``"cuda"``. graphs: capture the step as a
     CUDA graph (eager when False or on the CPU). start_cache_bytes: device bytes of seeded episode
     starts kept for repeated ``reset(seed=...)`` (default: one set where that is at most 1/16 of the
@@ -112,7 +113,8 @@ class FlashRTVectorEnv(VectorEnv):
         if simulator is not None and task is not None:
             raise ValueError("pass task (the built-in tabletop's options) or simulator, not both")
         sim = simulator(self.num_envs) if simulator is not None else Tabletop(arguments.tabletop_config(task))
-        model, weights_id = load(Path(weights or TINY), device=self.device, dtype=policy_dtype(self.device))
+        weights = weights or getattr(sim, "pretrained_weights", None) or TINY
+        model, weights_id = load(Path(weights), device=self.device, dtype=policy_dtype(self.device))
         forms = ("state", "features", "rgb") if obs_mode == "dict" else (obs_mode,)
         self.step_config = StepConfig(
             arguments.choose("action_mode", action_mode, ACTION_MODES),

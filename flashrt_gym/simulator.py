@@ -20,6 +20,9 @@ Conventions the engine relies on:
 - A policy may act in more dimensions than the simulator has (pi0 pads actions and state to 32):
   the simulator executes the first ``action_dim`` of each action and its ``proprio_dim`` numbers
   fill the start of the policy's state input (the rest stay zero), as LeRobot pads a robot's.
+- A simulator may name the policy trained for it, a folder, as ``pretrained_weights`` (in-graph
+  and external alike): the env loads it when it is given no weights, and the shipped tabletop
+  policy when neither names one.
 """
 
 from __future__ import annotations

@@ -1,7 +1,12 @@
-"""Data shipped with the package: the pretrained ``tiny`` policy for the built-in tabletop.
+"""Data shipped with the package: the pretrained ``tiny`` policies and the MuJoCo scene.
 
-``tiny/`` holds ``config.json``, ``tokenizer.json`` and ``model.safetensors`` (bf16, 25 MB),
-trained by ``scripts/pretrain_policy.py`` on 4000 noisy-expert demonstrations (see README).
+Each policy folder holds ``config.json``, ``tokenizer.json`` and ``model.safetensors`` (bf16,
+25 MB), trained on 4 000 noisy-expert demonstrations (see README):
+
+- ``tiny/``: the built-in tabletop's, by ``scripts/pretrain_policy.py``;
+- ``tiny_mujoco/``: the MuJoCo push task's (camera images of the MuJoCo scene), by
+  ``scripts/mujoco_pretrain.py``; the MuJoCo simulators name it as their
+  ``pretrained_weights``, which the env loads when it is given no weights.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from flashrt.policies import FlowPolicy, load
 from flashrt_gym.devices import policy_dtype
 
 TINY = Path(__file__).parent / "tiny"
+TINY_MUJOCO = Path(__file__).parent / "tiny_mujoco"
 
 
 def load_pretrained(device: torch.device | str = "cpu", dtype: torch.dtype | None = None) -> tuple[FlowPolicy, str]:

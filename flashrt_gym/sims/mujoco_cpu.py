@@ -21,6 +21,7 @@ import mujoco
 import numpy as np
 import torch
 
+from flashrt_gym.assets import TINY_MUJOCO
 from flashrt_gym.sims.push import PushConfig, PushTask, as_push_config, load_scene, model_digest, yaw_of
 from flashrt_gym.sims.render import TopDownRenderer
 from flashrt_gym.tasks.tabletop import BACKGROUND, COLORS, EE_COLOR, GOAL_COLOR, GOALS
@@ -70,6 +71,8 @@ class MujocoPush:
     observation_bound = 1.0
     physics_signature = STATE_SIG
     """What a state row holds of MuJoCo's state (an ``mjtState`` signature)."""
+    pretrained_weights = TINY_MUJOCO
+    """The policy the env loads when it is given no weights: the tiny VLA trained on this task."""
 
     def __init__(self, num_slots: int, cfg: PushConfig | Mapping[str, Any] | None = None, threads: int = 1) -> None:
         if isinstance(num_slots, bool) or int(num_slots) < 1:

@@ -47,6 +47,7 @@ import torch
 
 from flashrt.runtime import BufferSet, BufferSpec, slot
 from flashrt.runtime.views import bind_views
+from flashrt_gym.assets import TINY_MUJOCO
 from flashrt_gym.sims.mujoco_cpu import renderer_for
 from flashrt_gym.sims.push import PushConfig, PushTask, as_push_config, load_scene, model_digest, yaw_of
 from flashrt_gym.sims.warp_api import TorchAllocator, warp_api
@@ -108,6 +109,8 @@ class WarpPush(BoundState):
     action_dim = 2
     proprio_dim = 2
     observation_bound = 1.0
+    pretrained_weights = TINY_MUJOCO
+    """The policy the env loads when it is given no weights: the tiny VLA trained on this task."""
 
     def __init__(
         self,
