@@ -13,7 +13,7 @@ zero (its mode), the corners of the action box (what a saturated tanh actor emit
 N(0, c^2 I) for each ``--scales`` c.
 
     python scripts/steer_search.py --episodes 64 --candidates 8 --lookahead 1
-    python scripts/steer_search.py --task mujoco_warp_push --weights runs/mujoco_pretrain/pretrain/step-2000
+    python scripts/steer_search.py --task mujoco_warp_push   # its shipped policy; --weights for another
 """
 
 from __future__ import annotations
@@ -83,7 +83,9 @@ def search(env: FlashRTVectorEnv, k: int, lookahead: int, gen: torch.Generator) 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--task", default="tabletop", choices=sorted(f.stem for f in TASKS.glob("*.yaml")))
-    ap.add_argument("--weights", default=None, help="the policy's weight folder (default: the shipped tiny policy)")
+    ap.add_argument(
+        "--weights", default=None, help="the policy's weight folder (default: the shipped tiny policy of the task)"
+    )
     ap.add_argument("--episodes", type=int, default=64)
     ap.add_argument("--candidates", type=int, default=8, help="noise chunks tried per step (K)")
     ap.add_argument("--lookahead", type=int, default=1, help="steps run before choosing (zero noise after the first)")
