@@ -305,6 +305,36 @@ def test_attention_splits_the_keys_only_when_programs_are_few(device, monkeypatc
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_the_merge_of_a_wide_head_tiles_its_dims_over_programs(device, monkeypatch):
+    """pi0's expert at one slot (head dim 256, keys split over programs): the merge runs as four
+    programs per row block, each on 64 of the dims, and matches the reference. Mutation: the
+    same merge launched with one program per row block (every program on dims 0..63 alone)
+    leaves the other dims unmerged, and the comparison fails."""
+    import flashrt.kernels.grouped_attention as ga
+
+    g = torch.Generator(device=device).manual_seed(13)
+    rnd = lambda *s: torch.randn(*s, device=device, generator=g)  # noqa: E731
+    q, k, v = rnd(1, 50, 8, 256).transpose(1, 2), rnd(1, 1, 50, 256), rnd(1, 1, 50, 256)
+    segments = [(rnd(1, 1, tc, 256), rnd(1, 1, tc, 256), None) for tc in (48, 769)]
+    want = attention_reference(q, k, v, None, segments)
+    merges = spy_launches(monkeypatch, ga, "_combine_kernel")
+    poison_allocator(device)
+    close(attention_triton(q, k, v, None, segments), want, torch.float32)
+    assert merges and all(grid[2] == 256 // ga.COMBINE_DIMS for grid in merges)
+
+    merge = ga._combine_kernel
+
+    class FirstDimsOnly:
+        def __getitem__(self, grid):
+            return merge[(*grid[:2], 1)]
+
+    monkeypatch.setattr(ga, "_combine_kernel", FirstDimsOnly())
+    poison_allocator(device)
+    with pytest.raises(AssertionError):
+        close(attention_triton(q, k, v, None, segments), want, torch.float32)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_attention_gives_few_query_rows_16_row_programs_over_one_key_block(device, monkeypatch):
     """The expert's 32 query rows per slot (4 heads x 8 tokens over 89 keys) run as two 16-row
     programs per slot, each over every key in one block, while the programs fit on half the SMs;
