@@ -8,6 +8,8 @@ checkpoint and measures its closed-loop success on seen and held-out instruction
 step graph the env uses). Writes ``<out>/step-<N>/`` weight folders and ``<out>/evals.json``.
 An update whose gradient norm is not finite is skipped and counted; ``max_skipped_in_a_row`` of
 them in a row stop the run (its weights no longer move), keeping the weights and the batch.
+The loss runs on SDPA's flash, memory-efficient and math backends, never cuDNN's (see
+``TRAIN_ATTENTION``).
 
     python scripts/pretrain_policy.py demos=demos steps=6000 out=runs/pretrain
 """
@@ -54,6 +56,14 @@ def evaluate(folder: Path, task_cfg: TabletopConfig, cfg: DictConfig, device: st
         out[split] = base_policy(env, VALIDATION_SEED).success
         env.close()
     return out
+
+
+TRAIN_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+"""SDPA's backends for the training loss: all but cuDNN's. On H100/H200, cuDNN's attention
+backward returns NaN gradients for masked attention whose rows have a very negative logsumexp
+(pytorch/pytorch#196678), which the policy's masked attention meets once its weights are trained:
+fine-tuning the shipped tabletop policy skipped about half its updates with cuDNN, none on the
+same batch without it (docs/PERFORMANCE.md has the run)."""
 
 
 def nonfinite_grads(model: FlowPolicy) -> list[str]:
@@ -133,11 +143,12 @@ def run(cfg: DictConfig) -> dict:
         f"pretrain: {params / 1e6:.1f} M parameters, {len(windows)} windows from {len(data['tick'])} ticks on {device}"
     )
     bar = tqdm(range(1, cfg.steps + 1), desc="pretrain", unit="step")
+    cuda = device == "cuda"
     for step in bar:
         model.train()
         idx = torch.randint(len(windows), (cfg.batch_size,), generator=g, device=device)
         g_state = g.get_state()  # the loss draws its times and noise from here
-        with torch.autocast(device_type="cuda", dtype=torch.bfloat16, enabled=device == "cuda"):
+        with sdpa_kernel(TRAIN_ATTENTION), torch.autocast(device_type="cuda", dtype=torch.bfloat16, enabled=cuda):
             loss = model.loss(windows.batch(idx, text_ids, text_mask), g)
         opt.zero_grad(set_to_none=True)
         loss.backward()

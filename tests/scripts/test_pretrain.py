@@ -1,6 +1,6 @@
 """scripts/pretrain_policy.py on a few demonstrations: updates with a non-finite gradient are
 skipped and counted, a run whose updates all are stops with its weights and batch kept, and a
-run can start from a weights folder (fine-tuning)."""
+run can start from a weights folder (fine-tuning); the loss never runs on cuDNN's attention."""
 
 import json
 import math
@@ -90,3 +90,20 @@ def test_a_run_can_start_from_a_weights_folder(demos, tmp_path, monkeypatch, ini
 def test_init_of_another_configuration_is_refused(demos, tmp_path, monkeypatch, micro):
     with pytest.raises(ValueError, match="holds a model of another configuration than preset=tiny"):
         pretrain(monkeypatch, demos, tmp_path, "steps=1", f"init={micro}")
+
+
+def test_the_loss_runs_without_cudnn_attention(demos, tmp_path, monkeypatch):
+    """cuDNN's SDPA backward returns NaN gradients on H100/H200 (``TRAIN_ATTENTION``): every
+    training loss runs with that backend off. It is on by default (so a run without the guard,
+    the mutation, would see it on), and on again after the run."""
+    seen, loss = [], FlowPolicy.loss
+
+    def spy(self, *args, **kwargs):
+        seen.append(torch.backends.cuda.cudnn_sdp_enabled())
+        return loss(self, *args, **kwargs)
+
+    assert torch.backends.cuda.cudnn_sdp_enabled()
+    monkeypatch.setattr(FlowPolicy, "loss", spy)
+    pretrain(monkeypatch, demos, tmp_path, "steps=2", "eval_every=2", "eval_episodes=1", "max_episode_steps=1")
+    assert seen == [False, False]
+    assert torch.backends.cuda.cudnn_sdp_enabled()
