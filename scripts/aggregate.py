@@ -7,7 +7,9 @@ Groups runs by their folder name without its seed (``...,seed=0`` from a sweep, 
 from scripts/headline.sh). The headline is each run's final success on the *test* starts
 (``summary.json``); the curves are the validation points. Writes ``summary.md``,
 ``aggregate.json`` and ``curves.png`` into the folder and prints the table. A run stopped before
-its end (no ``summary.json``) is counted as unfinished and left out of the test figures.
+its end (no ``summary.json``) is counted as unfinished and left out of the final figures; its
+test evaluation at 200 000 env steps (a point of its curve) still counts in that column, with the
+base policy's success on the same starts.
 """
 
 from __future__ import annotations
@@ -49,6 +51,11 @@ def iqm_ci(scores: list[float], reps: int = REPS) -> dict[str, float]:
     return {"iqm": float(point["s"][0]), "lo": float(interval["s"][0, 0]), "hi": float(interval["s"][1, 0])}
 
 
+def at_200000(curve: list[dict]) -> dict | None:
+    """A run's test evaluation at 200 000 env steps (its curve's milestone point), if it got there."""
+    return next((p for p in curve if p.get("split") == "test" and p.get("milestone") == 200_000), None)
+
+
 def aggregate(groups: dict[str, list[dict]]) -> dict[str, dict]:
     out = {}
     for name, runs in sorted(groups.items()):
@@ -64,6 +71,11 @@ def aggregate(groups: dict[str, list[dict]]) -> dict[str, dict]:
                 g[key] = float(np.mean([s[key] for s in done]))
             g["env_steps_per_s_summed"] = float(np.sum([s["env_steps_per_s"] for s in done]))  # runs sharing a GPU
             g["wall_s_to_validation_90"] = [s.get("first_wall_s_validation_90") for s in done]
+        milestones = [at_200000(r["curve"]) for r in runs]
+        if not done and all(m is not None for m in milestones):  # every run reached 200 000 steps, none the end
+            g["test_success_at_200000"] = iqm_ci([m["success"] for m in milestones])
+            g["base_success"] = float(np.mean([m["base_success"] for m in milestones]))
+            g["at_200000"] = milestones
         out[name] = g
     return out
 
@@ -79,7 +91,10 @@ def table(agg: dict[str, dict]) -> str:
     ]
     for name, g in agg.items():
         if not g["finished"]:
-            rows.append(f"| {name} | 0 | — | — | — | — | — | — | {g['runs']} |")
+            base = f"{100 * g['base_success']:.1f} %" if "base_success" in g else "—"
+            rows.append(
+                f"| {name} | 0 | {base} | — | {pct(g.get('test_success_at_200000'))} | — | — | — | {g['runs']} |"
+            )
             continue
         rows.append(
             f"| {name} | {g['finished']} | {100 * g['base_success']:.1f} % | {pct(g['test_success'])} | "
