@@ -4,8 +4,8 @@ Each policy folder holds ``config.json``, ``tokenizer.json`` and ``model.safeten
 25 MB), trained on 4 000 noisy-expert demonstrations (see README):
 
 - ``tiny/``: the built-in tabletop's, by ``scripts/pretrain_policy.py``;
-- ``tiny_mujoco/``: the MuJoCo push task's (camera images of the MuJoCo scene), by
-  ``scripts/mujoco_pretrain.py``; the MuJoCo simulators name it as their
+- ``tiny_mujoco/``: the MuJoCo push task's, ``tiny/`` fine-tuned on camera images of the MuJoCo
+  scene by ``scripts/mujoco_pretrain.py`` (``init=``); the MuJoCo simulators name it as their
   ``pretrained_weights``, which the env loads when it is given no weights.
 """
 

@@ -22,9 +22,9 @@ def test_shipped_policy_pushes_objects_to_goals_far_above_chance():
 
 
 def test_mujoco_push_loads_its_own_shipped_policy_which_pushes_far_above_chance():
-    """The MuJoCo push simulator names the tiny VLA trained on its camera images, and the env
+    """The MuJoCo push simulator names the tiny VLA fine-tuned on its camera images, and the env
     loads it when given no weights; closed loop on seen instructions (validation starts) it
-    succeeds far above chance (random actions: about 1 %; 28.5 % over 512 episodes on an H200)."""
+    succeeds far above chance (random actions: about 1 %; README has its rates)."""
     pytest.importorskip("mujoco")
     from flashrt_gym.sims import mujoco_push
 
@@ -34,4 +34,4 @@ def test_mujoco_push_loads_its_own_shipped_policy_which_pushes_far_above_chance(
     assert shipped.cfg == tiny(TabletopConfig().vocabulary)
     loaded = dict(env.engine.policy.model.named_parameters())
     assert all(torch.equal(loaded[name], p) for name, p in shipped.named_parameters())
-    assert base_policy(env, VALIDATION_SEED).success >= 0.12
+    assert base_policy(env, VALIDATION_SEED).success >= 0.35
