@@ -61,9 +61,8 @@ def evaluate(folder: Path, task_cfg: TabletopConfig, cfg: DictConfig, device: st
 TRAIN_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 """SDPA's backends for the training loss: all but cuDNN's. On H100/H200, cuDNN's attention
 backward returns NaN gradients for masked attention whose rows have a very negative logsumexp
-(pytorch/pytorch#196678), which the policy's masked attention meets once its weights are trained:
-fine-tuning the shipped tabletop policy skipped about half its updates with cuDNN, none on the
-same batch without it (docs/PERFORMANCE.md has the run)."""
+(pytorch/pytorch#196678), which the policy's masked attention meets once its weights are trained
+(README: the fine-tuning of the MuJoCo push task's shipped policy)."""
 
 
 def nonfinite_grads(model: FlowPolicy) -> list[str]:
