@@ -7,9 +7,10 @@ Groups runs by their folder name without its seed (``...,seed=0`` from a sweep, 
 from scripts/headline.sh). The headline is each run's final success on the *test* starts
 (``summary.json``); the curves are the validation points. Writes ``summary.md``,
 ``aggregate.json`` and ``curves.png`` into the folder and prints the table. A run stopped before
-its end (no ``summary.json``) is counted as unfinished and left out of the final figures; its
-test evaluation at 200 000 env steps (a point of its curve) still counts in that column, with the
-base policy's success on the same starts.
+its end (no ``summary.json``) is counted as unfinished and left out of the final figures. The
+column at 200 000 env steps comes from the curves' test point there, so an unfinished run that got
+that far counts in it (a group of unfinished runs shows the base policy's success on the same
+starts beside it); it is shown when every run of the group got there.
 """
 
 from __future__ import annotations
@@ -64,18 +65,15 @@ def aggregate(groups: dict[str, list[dict]]) -> dict[str, dict]:
         if done:
             g["test_success"] = iqm_ci([s["success"] for s in done]) | {"per_seed": [s["success"] for s in done]}
             g["base_success"] = float(np.mean([s["base_success"] for s in done]))
-            at = [s.get("test_success_at", {}).get("200000") for s in done]
-            if all(v is not None for v in at):
-                g["test_success_at_200000"] = iqm_ci(at)
             for key in ("env_steps", "env_steps_per_s", "wall_s"):
                 g[key] = float(np.mean([s[key] for s in done]))
             g["env_steps_per_s_summed"] = float(np.sum([s["env_steps_per_s"] for s in done]))  # runs sharing a GPU
             g["wall_s_to_validation_90"] = [s.get("first_wall_s_validation_90") for s in done]
         milestones = [at_200000(r["curve"]) for r in runs]
-        if not done and all(m is not None for m in milestones):  # every run reached 200 000 steps, none the end
+        if all(m is not None for m in milestones):  # every run reached 200 000 steps, finished or not
             g["test_success_at_200000"] = iqm_ci([m["success"] for m in milestones])
-            g["base_success"] = float(np.mean([m["base_success"] for m in milestones]))
-            g["at_200000"] = milestones
+            if not done:
+                g["base_success"] = float(np.mean([m["base_success"] for m in milestones]))
         out[name] = g
     return out
 
