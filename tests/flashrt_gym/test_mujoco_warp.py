@@ -21,6 +21,7 @@ from flashrt_gym import FlashRTVectorEnv
 from flashrt_gym.external import is_external
 from flashrt_gym.sims import MujocoPush, PushConfig, WarpPush
 from flashrt_gym.sims.mujoco_warp import state_offsets
+from flashrt_gym.sims.warp_api import warp_api
 from flashrt_gym.simulator import Simulator
 
 CUDA = pytest.param(
@@ -104,6 +105,32 @@ def test_starts_and_rewards_follow_the_cpu_backend(device):
     small.reset()
     small.run_ticks(noise(N, 1, device)[0].view(N, 8, 2)[:, :2], dense, sparse)
     assert small.overflow()["capacity"] == N
+
+
+@pytest.mark.parametrize("device", [WARP_CPU, CUDA])
+def test_solver_bound_is_flagged_without_a_kernel_print(device, capfd):
+    """At a bound of one solver iteration, worlds in contact stop at it: ``overflow()`` counts
+    them and no kernel prints MuJoCo Warp's warning. Mutation: with the warning bits set again,
+    the same ticks print it (so the capture would have seen it)."""
+
+    def ticks(warn: bool) -> int:
+        sim = WarpPush(N, iterations=1)
+        sim.bind(runtime.BufferSet(sim.specs(), N, device))
+        if warn:
+            sim.m.opt.warn_overflow = int(warp_api().mjw.OverflowType.ALL)
+        sim.seed(torch.arange(N, device=device) + 11)
+        sim.reset()
+        dense, sparse = torch.zeros(N, device=device), torch.zeros(N, device=device)
+        for a in noise(N, 3, device):
+            sim.run_ticks(a.view(N, 8, 2)[:, :2], dense, sparse)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        return sim.overflow()["solver_iterations"]
+
+    assert ticks(warn=False) > 0
+    assert "iterations limit reached" not in capfd.readouterr().out
+    assert ticks(warn=True) > 0
+    assert "iterations limit reached" in capfd.readouterr().out
 
 
 @pytest.mark.parametrize("device", [WARP_CPU, CUDA])
