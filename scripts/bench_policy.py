@@ -46,7 +46,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from flashrt import kernels
 from flashrt.policies import PRESETS, FlowPolicy, InstructionTable, PaliGemmaTokenizer, PolicyPipeline, policy_specs
-from flashrt.runtime import BufferSet, Graph
+from flashrt.runtime import BufferSet, Graph, atomic_write
 from flashrt_gym.tasks import TabletopConfig
 
 EXACT = ("lerobot_pi0", "lerobot_pi05")
@@ -199,14 +199,15 @@ def main() -> None:
     runs += [(preset, n) for preset in args.exact for n in args.exact_batches]
     rates = gpu_rates()
     print("rates", json.dumps(rates), flush=True)
-    rows = []
+    rows: list[dict] = []
+    result = {**provenance(), "dtype": "bfloat16", "rates": rates, "rows": rows}
     for preset, n in runs:
         reps = args.reps if preset == "tiny" else max(5, args.reps // 5)  # pi0-sized steps take ms
         rows.append(bench(preset, n, reps, f"{preset}:{n}" in args.compile, rates))
         torch.cuda.empty_cache()
         print(json.dumps(rows[-1]), flush=True)
-    result = {**provenance(), "dtype": "bfloat16", "rates": rates, "rows": rows}
-    args.out.write_text(json.dumps(result, indent=2))
+        # after every row: a run stopped by a time limit keeps the rows it measured
+        atomic_write(args.out, lambda f: f.write(json.dumps(result, indent=2).encode()))
     print(f"\n{result['gpu']} | torch {result['torch']} | commit {result['commit']} | bf16 | median ms per step")
     print(
         f"rates: copy {rates['copy_GBps']:.0f} GB/s, bf16 {rates['bf16_TFLOPs']:.0f} TFLOP/s, "
