@@ -103,7 +103,8 @@ def table(agg: dict[str, dict]) -> str:
 
 
 def plot(groups: dict[str, list[dict]], path: Path) -> None:
-    """Validation success against env steps: IQM over seeds with its 95 % interval."""
+    """Validation success against env steps: IQM over seeds with its 95 % interval, and the
+    base policy's on the same starts (dashed): what the steering is measured against."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -117,8 +118,10 @@ def plot(groups: dict[str, list[dict]], path: Path) -> None:
             continue
         x = np.array([p["env_steps"] for p in curves[0][:n]])
         y = [iqm_ci([c[i]["success"] for c in curves], CURVE_REPS) for i in range(n)]
-        ax.plot(x, [v["iqm"] for v in y], label=f"{name} (n={len(runs)})")
+        (line,) = ax.plot(x, [v["iqm"] for v in y], label=f"{name} (n={len(runs)})")
         ax.fill_between(x, [v["lo"] for v in y], [v["hi"] for v in y], alpha=0.2)
+        base = iqm_ci([c[0]["base_success"] for c in curves], CURVE_REPS)["iqm"]
+        ax.axhline(base, ls="--", lw=1, color=line.get_color(), label=f"{name}: base policy")
     ax.set(xlabel="env steps (chunks)", ylabel="validation success (IQM, 95 % CI)", ylim=(0, 1))
     ax.legend()
     fig.tight_layout()
