@@ -4,8 +4,9 @@
     python scripts/aggregate.py multirun/2026-11-30/12-00-00
 
 Groups runs by their folder name without its seed (``...,seed=0`` from a sweep, ``..._seed0``
-from scripts/headline.sh). The headline is each run's final success on the *test* starts
-(``summary.json``); the curves are the validation points. Writes ``summary.md``,
+from scripts/headline.sh). Groups are compared on their last *validation* evaluation (the column
+to choose by; with several groups the script names the best), and the chosen group's figure is
+its final success on the *test* starts (``summary.json``); the curves are the validation points. Writes ``summary.md``,
 ``aggregate.json`` and ``curves.png`` into the folder and prints the table. A run stopped before
 its end (no ``summary.json``) is counted as unfinished and left out of the final figures. The
 column at 200 000 env steps comes from the curves' test point there, so an unfinished run that got
@@ -64,6 +65,8 @@ def aggregate(groups: dict[str, list[dict]]) -> dict[str, dict]:
         g: dict = {"runs": len(runs), "finished": len(done), "seeds": [s["seed"] for s in done]}
         if done:
             g["test_success"] = iqm_ci([s["success"] for s in done]) | {"per_seed": [s["success"] for s in done]}
+            if all(s.get("validation_success") is not None for s in done):
+                g["validation_success"] = iqm_ci([s["validation_success"] for s in done])
             g["base_success"] = float(np.mean([s["base_success"] for s in done]))
             for key in ("env_steps", "env_steps_per_s", "wall_s"):
                 g[key] = float(np.mean([s[key] for s in done]))
@@ -83,23 +86,31 @@ def table(agg: dict[str, dict]) -> str:
         return "—" if d is None else f"{100 * d['iqm']:.1f} % [{100 * d['lo']:.1f}, {100 * d['hi']:.1f}]"
 
     rows = [
-        "| runs | seeds | base (test) | steered (test), IQM [95 % CI] | at 200 000 steps | env steps | "
-        "wall | env steps/s | unfinished |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| runs | seeds | validation (choose by) | base (test) | steered (test), IQM [95 % CI] | at 200 000 steps | "
+        "env steps | wall | env steps/s | unfinished |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, g in agg.items():
         if not g["finished"]:
             base = f"{100 * g['base_success']:.1f} %" if "base_success" in g else "—"
             rows.append(
-                f"| {name} | 0 | {base} | — | {pct(g.get('test_success_at_200000'))} | — | — | — | {g['runs']} |"
+                f"| {name} | 0 | — | {base} | — | {pct(g.get('test_success_at_200000'))} | — | — | — | {g['runs']} |"
             )
             continue
         rows.append(
-            f"| {name} | {g['finished']} | {100 * g['base_success']:.1f} % | {pct(g['test_success'])} | "
+            f"| {name} | {g['finished']} | {pct(g.get('validation_success'))} | {100 * g['base_success']:.1f} % | "
+            f"{pct(g['test_success'])} | "
             f"{pct(g.get('test_success_at_200000'))} | {g['env_steps']:.0f} | {g['wall_s'] / 60:.1f} min | "
             f"{g['env_steps_per_s']:.0f} | {g['runs'] - g['finished']} |"
         )
     return "\n".join(rows)
+
+
+def best_on_validation(agg: dict[str, dict]) -> str | None:
+    """The group with the highest last-validation IQM, when more than one has one: the one
+    whose test figure to report (the others' test figures were not chosen on)."""
+    scored = {name: g["validation_success"]["iqm"] for name, g in agg.items() if "validation_success" in g}
+    return max(scored, key=scored.__getitem__) if len(scored) > 1 else None
 
 
 def plot(groups: dict[str, list[dict]], path: Path) -> None:
@@ -140,6 +151,9 @@ def main() -> None:
     (args.folder / "aggregate.json").write_text(json.dumps(agg, indent=2))
     plot(groups, args.folder / "curves.png")
     print(text)
+    best = best_on_validation(agg)
+    if best is not None:
+        print(f"best on validation: {best} (report its test figure)")
 
 
 if __name__ == "__main__":

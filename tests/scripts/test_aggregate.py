@@ -1,5 +1,6 @@
-"""scripts/aggregate.py on runs stopped before their end: their test evaluation at 200 000 env
-steps still counts, with the base policy's success on the same starts."""
+"""scripts/aggregate.py: groups are compared on validation, reported on test; runs stopped before
+their end still count at their test evaluation at 200 000 env steps, with the base policy's
+success on the same starts."""
 
 import json
 from pathlib import Path
@@ -35,7 +36,37 @@ def test_unfinished_runs_count_at_their_200000_step_test_point(tmp_path, monkeyp
     assert agg["finished"] == 0 and agg["runs"] == 3
     row = aggregate.table({"fast_sac": agg}).splitlines()[-1]
     if stopped_early:
-        assert "test_success_at_200000" not in agg and row == "| fast_sac | 0 | — | — | — | — | — | — | 3 |"
+        assert "test_success_at_200000" not in agg and row == "| fast_sac | 0 | — | — | — | — | — | — | — | 3 |"
     else:
         assert agg["test_success_at_200000"]["iqm"] == pytest.approx(0.6) and agg["base_success"] == pytest.approx(0.4)
-        assert row.startswith("| fast_sac | 0 | 40.0 % | — | 60.0 % [")
+        assert row.startswith("| fast_sac | 0 | — | 40.0 % | — | 60.0 % [")
+
+
+def write_finished(folder: Path, group: str, validation: list[float], test: list[float]) -> None:
+    """Finished runs of one group: each a curve and a summary with these final successes."""
+    for seed, (val, tst) in enumerate(zip(validation, test, strict=True)):
+        run = folder / f"{group}_seed{seed}"
+        run.mkdir(parents=True)
+        (run / "curve.json").write_text(json.dumps([{"env_steps": 100, "split": "validation", "success": val}]))
+        summary = {"seed": seed, "success": tst, "validation_success": val, "base_success": 0.4}
+        summary |= {"env_steps": 100, "env_steps_per_s": 10.0, "wall_s": 10.0}
+        (run / "summary.json").write_text(json.dumps(summary))
+
+
+def test_groups_are_chosen_on_validation_not_test(tmp_path, monkeypatch):
+    """Group ``a`` is better on validation and worse on test than ``b``: the validation column
+    and the named choice follow validation. Mutation: choosing by the test column would name
+    ``b``, and the columns must differ."""
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    import aggregate
+
+    write_finished(tmp_path, "a", [0.8, 0.8, 0.8], [0.5, 0.5, 0.5])
+    write_finished(tmp_path, "b", [0.6, 0.6, 0.6], [0.7, 0.7, 0.7])
+    agg = aggregate.aggregate(aggregate.load_runs(tmp_path))
+    assert agg["a"]["validation_success"]["iqm"] == pytest.approx(0.8)
+    assert agg["b"]["validation_success"]["iqm"] == pytest.approx(0.6)
+    assert aggregate.best_on_validation(agg) == "a"
+    assert max(agg, key=lambda g: agg[g]["test_success"]["iqm"]) == "b"  # the mutation's choice
+    rows = aggregate.table(agg).splitlines()
+    assert rows[2].startswith("| a | 3 | 80.0 % [") and "| 50.0 % [" in rows[2]
+    assert aggregate.best_on_validation({"a": agg["a"]}) is None  # one group: nothing to choose
