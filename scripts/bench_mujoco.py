@@ -6,10 +6,11 @@ Env step, at each ``--sizes`` (default 1, 256, 4096 slots), for each simulator: 
 GPU (the shipped tiny policy, ``max_episode_steps`` 40, noise actions uniform in the box, so
 episodes end by time limit or success and slots autoreset inside the steps at their natural
 times); ``--warmup`` steps (the first one captures the step) then ``--steps`` consecutive
-``step_torch`` calls. Reported: sustained chunks/s (the run's wall time over its steps), mean,
-p50, p99 and max ms per step (CUDA events between consecutive steps), the slots reset. The
-MuJoCo-CPU envs (physics on one CPU thread, and on a thread per core) run until
-``--cpu-budget-s`` seconds have passed. For MuJoCo Warp also: graph against eager (the largest
+``step_torch`` calls. Reported: the GPU memory the env holds after its capture (torch's
+allocator and Warp's memory pool, over what was held before it), sustained chunks/s (the run's
+wall time over its steps), mean, p50, p99 and max ms per step (CUDA events between consecutive
+steps), the slots reset. The MuJoCo-CPU envs (physics on one CPU thread, and on a thread per
+core) run until ``--cpu-budget-s`` seconds have passed. For MuJoCo Warp also: graph against eager (the largest
 relative difference of every output and physics value, one step at a time from a shared capsule,
 through autoresets, at sizes up to ``--eager-max``; beside it two eager envs, in lockstep and
 running freely: MuJoCo Warp does not repeat a run bit for bit across env instances), the kernels
@@ -147,8 +148,20 @@ def graph_vs_eager(n: int, steps: int = 5) -> dict:
     }
 
 
+def gpu_memory_mb() -> dict[str, float]:
+    """GPU memory held now, MB: torch's caching allocator (graph pools included, so MuJoCo Warp's
+    temporaries inside a torch capture) and Warp's memory pool (MuJoCo Warp's own arrays and the
+    buffers Warp keeps for the deterministic launches a capture recorded)."""
+    wp = warp_api().wp
+    return {
+        "torch_reserved": torch.cuda.memory_reserved() / 1e6,
+        "warp_pool": wp.get_mempool_used_mem_current("cuda:0") / 1e6 if wp.is_mempool_enabled("cuda:0") else 0.0,
+    }
+
+
 def bench_env(kind: str, n: int, args: argparse.Namespace) -> dict:
     torch.cuda.empty_cache()
+    before = gpu_memory_mb()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         t = time.perf_counter()
@@ -157,7 +170,8 @@ def bench_env(kind: str, n: int, args: argparse.Namespace) -> dict:
         env.step_torch(actions(n, 1, 9)[0])  # captures the step
         torch.cuda.synchronize()
         first = time.perf_counter() - t
-    row = {"first_step_s_with_capture": first}
+    held = {key: mb - before[key] for key, mb in gpu_memory_mb().items()}
+    row = {"first_step_s_with_capture": first, "memory_after_capture_MB": held}
     cpu = kind.startswith("mujoco_cpu")  # physics on the host's CPU: few warm-up steps, a time budget
     row |= sustained(env, args.steps, min(args.warmup, 2) if cpu else args.warmup, args.cpu_budget_s if cpu else None)
     if kind == "mujoco_warp":
