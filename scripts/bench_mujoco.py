@@ -10,10 +10,11 @@ times); ``--warmup`` steps (the first one captures the step) then ``--steps`` co
 allocator and Warp's memory pool, over what was held before it), sustained chunks/s (the run's
 wall time over its steps), mean, p50, p99 and max ms per step (CUDA events between consecutive
 steps), the slots reset. The MuJoCo-CPU envs (physics on one CPU thread, and on a thread per
-core) run until ``--cpu-budget-s`` seconds have passed. For MuJoCo Warp also: graph against eager (the largest
-relative difference of every output and physics value, one step at a time from a shared capsule,
-through autoresets, at sizes up to ``--eager-max``; beside it two eager envs, in lockstep and
-running freely: MuJoCo Warp does not repeat a run bit for bit across env instances), the kernels
+core) run until ``--cpu-budget-s`` seconds have passed. For MuJoCo Warp also: graph against
+eager (the largest relative difference of every output and physics value, one step at a time
+from a shared capsule, through autoresets, at sizes up to ``--eager-max``; beside it two eager
+envs, in lockstep and running freely: MuJoCo Warp does not repeat a run bit for bit across env
+instances), the kernels
 of one replay of the step graph (count, span, the top kernels by marginal time) and any warning
 of the runtime's guarded graph (none: the step is one launch with its body a conditional node).
 
@@ -149,14 +150,13 @@ def graph_vs_eager(n: int, steps: int = 5) -> dict:
 
 
 def gpu_memory_mb() -> dict[str, float]:
-    """GPU memory held now, MB: torch's caching allocator (graph pools included, so MuJoCo Warp's
-    temporaries inside a torch capture) and Warp's memory pool (MuJoCo Warp's own arrays and the
-    buffers Warp keeps for the deterministic launches a capture recorded)."""
-    wp = warp_api().wp
-    return {
-        "torch_reserved": torch.cuda.memory_reserved() / 1e6,
-        "warp_pool": wp.get_mempool_used_mem_current("cuda:0") / 1e6 if wp.is_mempool_enabled("cuda:0") else 0.0,
-    }
+    """GPU memory held now on the current device, MB (2**20 bytes, as bench_env.py): torch's
+    caching allocator (graph pools included, so MuJoCo Warp's temporaries inside a torch capture)
+    and Warp's memory pool (MuJoCo Warp's own arrays and the buffers Warp keeps for the
+    deterministic launches a capture recorded)."""
+    wp, device = warp_api().wp, f"cuda:{torch.cuda.current_device()}"
+    pool = wp.get_mempool_used_mem_current(device) if wp.is_mempool_enabled(device) else 0
+    return {"torch_reserved": torch.cuda.memory_reserved() / 2**20, "warp_pool": pool / 2**20}
 
 
 def bench_env(kind: str, n: int, args: argparse.Namespace) -> dict:

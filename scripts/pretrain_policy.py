@@ -1,15 +1,14 @@
 """Behaviour cloning of the VLA flow policy on expert demonstrations (flow-matching loss).
 
 Reads the shards of scripts/collect_demos.py, trains the chosen preset (from scratch, or from the
-weights in ``init`` to fine-tune them on these demonstrations) with AdamW (bf16
-autocast on a GPU), logs the loss to tensorboard, and every ``eval_every`` steps saves a
-checkpoint and measures its closed-loop success on seen and held-out instructions
-(``eval_episodes`` each, the unsteered policy drawing its own noise, inside the same captured
-step graph the env uses). Writes ``<out>/step-<N>/`` weight folders and ``<out>/evals.json``.
-An update whose gradient norm is not finite is skipped and counted; ``max_skipped_in_a_row`` of
-them in a row stop the run (its weights no longer move), keeping the weights and the batch.
-The loss runs on SDPA's flash, memory-efficient and math backends, never cuDNN's (see
-``TRAIN_ATTENTION``).
+weights in ``init`` to fine-tune them on these demonstrations) with AdamW (bf16 autocast on a
+GPU), logs the loss to tensorboard, and every ``eval_every`` steps saves a checkpoint and
+measures its closed-loop success on seen and held-out instructions (``eval_episodes`` each, the
+unsteered policy drawing its own noise, inside the same captured step graph the env uses).
+Writes ``<out>/step-<N>/`` weight folders and ``<out>/evals.json``. An update whose gradient
+norm is not finite is skipped and counted; ``max_skipped_in_a_row`` of them in a row stop the
+run (its weights no longer move), keeping the weights and the batch. The loss runs on SDPA's
+flash, memory-efficient and math backends, never cuDNN's (see ``TRAIN_ATTENTION``).
 
     python scripts/pretrain_policy.py demos=demos steps=6000 out=runs/pretrain
 """
