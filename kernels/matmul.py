@@ -9,10 +9,14 @@ block first and waits for its input after, which cuBLAS cannot (measurements: do
 projections, its time MLP's output layer and the vision tower's projections at one slot run
 here, and the policy step at one slot is all Triton but for a few elementwise ops.
 
-A program holds ``BN`` weight rows whole (``k`` at most :data:`MAX_K`) and 16 input rows; the
-product is rounded once to the output dtype after the bias or the residual is added (and the
-GELU of :func:`linear_gelu` taken) in float32, as cuBLAS's ``addmm`` and cuBLASLt's GELU
-epilogue round. More rows or wider inputs take cuBLAS, which is faster there.
+A program holds ``BN`` weight rows whole (``k`` at most :data:`MAX_K`) and 16 input rows. Wider
+inputs, up to :data:`MAX_LOOP_K` over at most :data:`LOOP_ROWS` rows (pi0's expert output
+projection, 2048 wide, at one slot), take a second kernel that sweeps ``k`` in blocks: a program
+holds every row and 16 weight rows, so the weight is read once, by as many programs as possible.
+Either way the product is rounded once to the output dtype after the bias or the residual is
+added (and the GELU of :func:`linear_gelu` taken) in float32, as cuBLAS's ``addmm`` and
+cuBLASLt's GELU epilogue round. More rows or wider inputs take cuBLAS, which is faster there
+(pi0's down projection, 4096 wide: docs/PERFORMANCE.md).
 """
 
 from __future__ import annotations
@@ -26,6 +30,11 @@ MAX_ROWS = 256
 MAX_K = 1024
 """Most rows and widest inputs a call takes the Triton kernel for (``tiny``'s expert at up to 32
 slots; its down projection is 768 wide). Beyond them cuBLAS's tiled GEMM wins."""
+LOOP_ROWS = 64
+MAX_LOOP_K = 2048
+"""Most rows and widest inputs the blocked-``k`` kernel takes (one block of rows, so each weight
+row is read by one program)."""
+LOOP_BK = 256
 
 
 def linear_gelu_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
@@ -65,16 +74,47 @@ if triton is not None:
         live = row < rows
         x = tl.load(a + row[:, None] * K + ks[None, :], mask=live[:, None] & (ks[None, :] < K), other=0.0)
         acc = tl.dot(x, tl.trans(w), input_precision=PRECISION)  # (BM, BN) float32
-        dst = out + row[:, None] * N + cols[None, :]
-        keep = live[:, None] & (cols < N)[None, :]
         if HAS_BIAS:
             acc += b[None, :]
+        _finish(acc, out, row, live, cols, N, ACCUMULATE, GELU)
+
+    @triton.jit
+    def _finish(acc, out, row, live, cols, N, ACCUMULATE: tl.constexpr, GELU: tl.constexpr):
+        """Add the residual and take the GELU on the float32 product, then round once and store."""
+        dst = out + row[:, None] * N + cols[None, :]
+        keep = live[:, None] & (cols < N)[None, :]
         if ACCUMULATE:
             acc += tl.load(dst, mask=keep, other=0.0).to(tl.float32)
         if GELU:  # tanh form, on the float32 accumulator
             z = 0.7978845608028654 * (acc + 0.044715 * acc * acc * acc)
             acc = 0.5 * acc * (2.0 - 2.0 / (tl.exp(2.0 * z) + 1.0))
         tl.store(dst, acc.to(out.dtype.element_ty), mask=keep)
+
+    @triton.jit
+    def _linear_loop_kernel(
+        a, weight, bias, out, rows, K, N, s_bias,
+        HAS_BIAS: tl.constexpr, ACCUMULATE: tl.constexpr, GELU: tl.constexpr, BM: tl.constexpr,
+        BN: tl.constexpr, BK: tl.constexpr, GDC: tl.constexpr, PRECISION: tl.constexpr,
+    ):  # fmt: skip
+        # Program j: every row (at most BM) by weight rows j*BN.., k swept in BK blocks (pipelined).
+        cols = tl.program_id(0) * BN + tl.arange(0, BN)
+        row = tl.arange(0, BM)
+        live = row < rows
+        ks = tl.arange(0, BK)
+        inputs_ready(GDC)
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for k0 in range(0, K, BK):
+            kin = (k0 + ks) < K
+            x = tl.load(a + row[:, None] * K + (k0 + ks)[None, :], mask=live[:, None] & kin[None, :], other=0.0)
+            w = tl.load(
+                weight + cols[:, None].to(tl.int64) * K + (k0 + ks)[None, :],
+                mask=(cols[:, None] < N) & kin[None, :],
+                other=0.0,
+            )
+            acc += tl.dot(x, tl.trans(w), input_precision=PRECISION)
+        if HAS_BIAS:
+            acc += tl.load(bias + cols * s_bias, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+        _finish(acc, out, row, live, cols, N, ACCUMULATE, GELU)
 
 
 def _launch(
@@ -92,21 +132,28 @@ def _launch(
     rows = a.numel() // k
     if not rows:
         return
+    args = (a, weight, out if bias is None else bias, out, rows, k, n, 1 if bias is None else bias.stride(0))
+    options = dict(
+        HAS_BIAS=bias is not None, ACCUMULATE=accumulate, GELU=gelu,
+        PRECISION="ieee" if a.dtype == torch.float32 else "tf32", num_warps=4,
+    )  # fmt: skip
+    if k > MAX_K:  # blocked k: every row in one program, 16 weight rows a program
+        grid = (triton.cdiv(n, 16),)
+        bm = max(16, triton.next_power_of_2(rows))
+        _linear_loop_kernel[grid](
+            *args, BM=bm, BN=16, BK=LOOP_BK, num_stages=4, **options, **dependent_launch(a.device, grid[0])
+        )
+        return
     bk = max(16, triton.next_power_of_2(k))
     bn = max(16, min(64, 16384 // bk))  # a 32 KB bf16 weight block a program
     grid = (triton.cdiv(rows, 16), triton.cdiv(n, bn))
-    _linear_kernel[grid](
-        a, weight, out if bias is None else bias, out, rows, k, n, 1 if bias is None else bias.stride(0),
-        HAS_BIAS=bias is not None, ACCUMULATE=accumulate, GELU=gelu, BM=16, BN=bn, BK=bk,
-        PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
-        num_warps=4, **dependent_launch(a.device, grid[0] * grid[1]),
-    )  # fmt: skip
+    _linear_kernel[grid](*args, BM=16, BN=bn, BK=bk, **options, **dependent_launch(a.device, grid[0] * grid[1]))
 
 
 def _fits(a: torch.Tensor, weight: torch.Tensor, *tensors: torch.Tensor) -> bool:
     """Whether a call takes the Triton kernel (else torch, which also reports dtype mismatches)."""
     k = weight.shape[1]
-    few = 16 <= k <= MAX_K and a.numel() <= MAX_ROWS * k
+    few = 16 <= k and ((k <= MAX_K and a.numel() <= MAX_ROWS * k) or (k <= MAX_LOOP_K and a.numel() <= LOOP_ROWS * k))
     same = all(t.dtype == a.dtype for t in (weight, *tensors))
     return few and same and weight.is_contiguous() and use_triton(a, weight, *tensors)
 

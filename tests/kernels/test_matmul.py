@@ -52,7 +52,7 @@ def test_linear_takes_the_kernel_only_for_few_narrow_rows(device, triton_on_cpu,
     launches = spy_launches(monkeypatch, kl, "_linear_kernel")
     g = torch.Generator(device=device).manual_seed(1)
     dtype = dtypes(device)[0]
-    for rows, k, kernel in ((kl.MAX_ROWS, 32, True), (kl.MAX_ROWS + 1, 32, False), (4, kl.MAX_K + 8, False)):
+    for rows, k, kernel in ((kl.MAX_ROWS, 32, True), (kl.MAX_ROWS + 1, 32, False), (4, kl.MAX_LOOP_K + 8, False)):
         launches.clear()
         a, w, b = inputs(device, dtype, g, (rows,), k, 24)
         close(linear(a, w, b), F.linear(a, w, b), dtype)
@@ -62,6 +62,35 @@ def test_linear_takes_the_kernel_only_for_few_narrow_rows(device, triton_on_cpu,
     x = torch.randn(24, 4, device=device, generator=g).to(dtype).t()  # not contiguous: torch's addmm_
     want = x + a @ w.T
     close(add_matmul(x, a, w), want, dtype)
+    assert not launches
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(("rows", "k", "n"), [(50, 2048, 48), (3, 1032, 40)])  # pi0's expert o; a ragged last block
+def test_wide_inputs_over_few_rows_sweep_k_in_blocks(device, rows, k, n, triton_on_cpu, monkeypatch):
+    """Inputs wider than MAX_K over at most LOOP_ROWS rows take the blocked-k kernel and match
+    torch; the same comparison against the product without its last block of k fails, and one
+    row more takes torch."""
+    launches = spy_launches(monkeypatch, kl, "_linear_loop_kernel")
+    g = torch.Generator(device=device).manual_seed(k)
+    for dtype in dtypes(device):
+        a, w, b = inputs(device, dtype, g, (rows,), k, n)
+        poison_allocator(device)
+        close(linear(a, w, b), F.linear(a, w, b), dtype)
+        x = torch.randn(rows, n, device=device, generator=g).to(dtype)
+        x0 = x.clone()
+        want = add_matmul_reference(x.clone(), a, w)
+        got = add_matmul(x, a, w)
+        assert got.data_ptr() == x.data_ptr()
+        close(got, want, dtype)
+        last = (k - 1) // kl.LOOP_BK * kl.LOOP_BK  # where the last block of k starts
+        dropped = add_matmul_reference(x0, a[:, :last].contiguous(), w[:, :last].contiguous())
+        with pytest.raises(AssertionError):
+            close(got, dropped, dtype)
+    assert len(launches) == 2 * len(dtypes(device))
+    launches.clear()
+    a, w, _ = inputs(device, dtypes(device)[0], g, (kl.LOOP_ROWS + 1,), k, n)
+    close(linear(a, w), F.linear(a, w), dtypes(device)[0])
     assert not launches
 
 
