@@ -11,16 +11,16 @@ its last key. Since all ``h / g`` query heads of a key/value head share its keys
 serves a whole group (rows = heads x tokens), so each key block is read once per group. With at
 least as many programs as SMs (many slots) the key blocks are narrower (32 keys) and the
 programs smaller (2 warps for 32 rows): more of them fit on an SM (docs/PERFORMANCE.md has the
-before and after). With few query rows (a group of at most 32) and few slots, the rows are split
-into 16-row programs, so the group's heads run on separate SMs, and each reads all its keys (up
-to a 32 KB block) at once. With few programs and many key blocks (pi0's expert at one slot: 13
-programs, 14 blocks of 64 keys each) the keys are split over more programs (two blocks each at
-head dim 256), whose softmax states a second kernel merges. With 3 or more key blocks after the
-last per-token-masked source, those blocks are swept by a second loop without mask loads, and a
-mask that is one flag per slot (an expanded ``(N, 1)``, stride 0) is read once per program
-rather than per key. Products run on tensor cores in the inputs' dtype (bf16), in full float32
-for float32 inputs. The output is written as ``(N, Tq, h, d)``: the layout the output projection
-reads. Rows with every key masked out return zeros (SDPA: NaN).
+before and after). With few query rows (a group of at most 32) and few slots, the rows are
+split into 16-row programs, so the group's heads run on separate SMs, and each reads all its
+keys (up to a 32 KB block) at once. With few programs and many key blocks (pi0's expert at one
+slot: 13 programs, 28 blocks each) the keys are split over more programs, whose softmax states a
+second kernel merges. With 3 or more key blocks after the last per-token-masked source, those
+blocks are swept by a second loop without mask loads, and a mask that is one flag per slot (an
+expanded ``(N, 1)``, stride 0) is read once per program rather than per key. Products run on
+tensor cores in the inputs' dtype (bf16), in full float32 for float32 inputs. The output is written as
+``(N, Tq, h, d)``: the layout the output projection reads. Rows with every key masked out
+return zeros (SDPA: NaN).
 """
 
 from __future__ import annotations
@@ -39,14 +39,6 @@ keys valid; any strides, e.g. an expanded per-slot flag)."""
 
 MAX_SEGMENTS = 3  # context segments one kernel launch reads in place; more are concatenated first
 COMBINE_DIMS = 64  # head dims one program of the split-merge kernel takes
-WIDE_BN = 64
-"""Keys a block holds for heads wider than 128 (pi0's 256), in programs of 4 warps."""
-
-
-def split_blocks(d: int) -> int:
-    """Fewest key blocks a program of a split call sweeps: a block of a 256-wide head is twice
-    the work of a narrower one's, so its keys are split over twice as many programs."""
-    return 4 if d <= 128 else 2
 
 
 def _concat(context: Sequence[Segment]) -> Segment:
@@ -272,7 +264,7 @@ def _tiles(rows: int, groups: int, keys: int, d: int, itemsize: int, sms: int) -
         return bm, 32, 2 if bm <= 32 else 4, 3  # the fastest launch shape at 1024 and 4096 slots
     if d <= 128:  # few programs
         return bm, 128 if d <= 64 and bm > 32 else 64, 4, 3
-    return bm, WIDE_BN, 4, 2
+    return bm, 32, 8, 3
 
 
 def attention_triton(
@@ -321,8 +313,7 @@ def attention_triton(
     two_loops = blocks - triton.cdiv(token_end, bn) >= 3
     if not two_loops:
         tokens, flags = tokens | flags, 0
-    least = split_blocks(d)
-    splits = min(blocks // least, sms // programs) if 2 * programs <= sms and blocks >= 2 * least else 1
+    splits = min(blocks // 4, sms // programs) if 2 * programs <= sms and blocks >= 8 else 1
     chunk = triton.cdiv(max(blocks, 1), splits) * bn
     splits = triton.cdiv(start, chunk)
     part = out if splits == 1 else q.new_empty((splits, grid[1], grid[0] * bm, d + 2), dtype=torch.float32)

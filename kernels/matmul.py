@@ -30,11 +30,15 @@ MAX_ROWS = 256
 MAX_K = 1024
 """Most rows and widest inputs a call takes the Triton kernel for (``tiny``'s expert at up to 32
 slots; its down projection is 768 wide). Beyond them cuBLAS's tiled GEMM wins."""
+MAX_WEIGHT = 1 << 20
+"""Largest weight (elements) the whole-row kernel takes: it reads the weight once per 16 rows, so
+a big one over a few dozen rows (pi0.5's expert q/k/v and gate/up, 2.6 M and 8.4 M elements, at
+50 rows) is several times faster in the blocked-``k`` kernel (docs/PERFORMANCE.md). ``tiny``'s
+largest is 0.5 M."""
 LOOP_ROWS = 64
 MAX_LOOP_K = 2048
 """Most rows and widest inputs the blocked-``k`` kernel takes (one block of rows, so each weight
 row is read by one program)."""
-LOOP_BK = 256
 
 
 def linear_gelu_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
@@ -137,11 +141,12 @@ def _launch(
         HAS_BIAS=bias is not None, ACCUMULATE=accumulate, GELU=gelu,
         PRECISION="ieee" if a.dtype == torch.float32 else "tf32", num_warps=4,
     )  # fmt: skip
-    if k > MAX_K:  # blocked k: every row in one program, 16 weight rows a program
-        grid = (triton.cdiv(n, 16),)
+    if not _whole_rows(rows, k, n):  # blocked k: every row in one program
+        bn, bk = loop_tiles(n, a.element_size())
+        grid = (triton.cdiv(n, bn),)
         bm = max(16, triton.next_power_of_2(rows))
         _linear_loop_kernel[grid](
-            *args, BM=bm, BN=16, BK=LOOP_BK, num_stages=4, **options, **dependent_launch(a.device, grid[0])
+            *args, BM=bm, BN=bn, BK=bk, num_stages=4, **options, **dependent_launch(a.device, grid[0])
         )
         return
     bk = max(16, triton.next_power_of_2(k))
@@ -150,10 +155,26 @@ def _launch(
     _linear_kernel[grid](*args, BM=16, BN=bn, BK=bk, **options, **dependent_launch(a.device, grid[0] * grid[1]))
 
 
+def loop_tiles(n: int, itemsize: int) -> tuple[int, int]:
+    """``(BN, BK)`` of the blocked kernel for ``n`` weight rows: the widest of 64, 32 and 16 rows a
+    program that still gives 64 programs or more (pi0's 8 192 gate/up rows: 64; 2 560 q/k/v: 32;
+    1 024: 16), and ``k`` steps of 256 (16 rows) or 128 bf16 elements, half as many in float32,
+    so that 4 steps of a 64-row block and the weight block fit in shared memory (the tiles
+    measured fastest: docs/PERFORMANCE.md)."""
+    bn = next((bn for bn in (64, 32) if n >= 64 * bn), 16)
+    return bn, (256 if bn == 16 else 128) * 2 // itemsize
+
+
+def _whole_rows(rows: int, k: int, n: int) -> bool:
+    """Whether a call within the kernels' limits takes the whole-row kernel (else the blocked one)."""
+    return k <= MAX_K and rows <= MAX_ROWS and n * k <= MAX_WEIGHT
+
+
 def _fits(a: torch.Tensor, weight: torch.Tensor, *tensors: torch.Tensor) -> bool:
-    """Whether a call takes the Triton kernel (else torch, which also reports dtype mismatches)."""
-    k = weight.shape[1]
-    few = 16 <= k and ((k <= MAX_K and a.numel() <= MAX_ROWS * k) or (k <= MAX_LOOP_K and a.numel() <= LOOP_ROWS * k))
+    """Whether a call takes a Triton kernel (else torch, which also reports dtype mismatches)."""
+    n, k = weight.shape
+    rows = a.numel() // max(k, 1)
+    few = 16 <= k and (_whole_rows(rows, k, n) or (k <= MAX_LOOP_K and rows <= LOOP_ROWS))
     same = all(t.dtype == a.dtype for t in (weight, *tensors))
     return few and same and weight.is_contiguous() and use_triton(a, weight, *tensors)
 

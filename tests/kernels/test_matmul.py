@@ -66,11 +66,12 @@ def test_linear_takes_the_kernel_only_for_few_narrow_rows(device, triton_on_cpu,
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize(("rows", "k", "n"), [(50, 2048, 48), (3, 1032, 40)])  # pi0's expert o; a ragged last block
+@pytest.mark.parametrize(("rows", "k", "n"), [(50, 2048, 48), (3, 1032, 40), (3, 1024, 1040)])
 def test_wide_inputs_over_few_rows_sweep_k_in_blocks(device, rows, k, n, triton_on_cpu, monkeypatch):
-    """Inputs wider than MAX_K over at most LOOP_ROWS rows take the blocked-k kernel and match
-    torch; the same comparison against the product without its last block of k fails, and one
-    row more takes torch."""
+    """Inputs wider than MAX_K (pi0's expert o; a ragged last block of k) or a weight larger than
+    MAX_WEIGHT, over at most LOOP_ROWS rows, take the blocked-k kernel and match torch; the same
+    comparison against the product without its last block of k fails, and one row more takes
+    torch."""
     launches = spy_launches(monkeypatch, kl, "_linear_loop_kernel")
     g = torch.Generator(device=device).manual_seed(k)
     for dtype in dtypes(device):
@@ -83,7 +84,8 @@ def test_wide_inputs_over_few_rows_sweep_k_in_blocks(device, rows, k, n, triton_
         got = add_matmul(x, a, w)
         assert got.data_ptr() == x.data_ptr()
         close(got, want, dtype)
-        last = (k - 1) // kl.LOOP_BK * kl.LOOP_BK  # where the last block of k starts
+        bk = kl.loop_tiles(n, a.element_size())[1]
+        last = (k - 1) // bk * bk  # where the last block of k starts
         dropped = add_matmul_reference(x0, a[:, :last].contiguous(), w[:, :last].contiguous())
         with pytest.raises(AssertionError):
             close(got, dropped, dtype)
