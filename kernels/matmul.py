@@ -10,9 +10,10 @@ projections, its time MLP's output layer and the vision tower's projections at o
 here, and the policy step at one slot is all Triton but for a few elementwise ops.
 
 A program holds ``BN`` weight rows whole (``k`` at most :data:`MAX_K`) and 16 input rows. Wider
-inputs, up to :data:`MAX_LOOP_K` over at most :data:`LOOP_ROWS` rows (pi0's expert output
-projection, 2048 wide, at one slot), take a second kernel that sweeps ``k`` in blocks: a program
-holds every row and 16 weight rows, so the weight is read once, by as many programs as possible.
+inputs (up to :data:`MAX_LOOP_K`: pi0's expert output projection, 2048 wide) and weights larger
+than :data:`MAX_WEIGHT` (pi0.5's expert q/k/v and gate/up), over at most :data:`LOOP_ROWS` rows,
+take a second kernel that sweeps ``k`` in blocks: a program holds every row and 16 to 64 weight
+rows, so the weight is read once, by as many programs as possible.
 Either way the product is rounded once to the output dtype after the bias or the residual is
 added (and the GELU of :func:`linear_gelu` taken) in float32, as cuBLAS's ``addmm`` and
 cuBLASLt's GELU epilogue round. More rows or wider inputs take cuBLAS, which is faster there
