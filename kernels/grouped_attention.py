@@ -11,16 +11,19 @@ its last key. Since all ``h / g`` query heads of a key/value head share its keys
 serves a whole group (rows = heads x tokens), so each key block is read once per group. With at
 least as many programs as SMs (many slots) the key blocks are narrower (32 keys) and the
 programs smaller (2 warps for 32 rows): more of them fit on an SM (docs/PERFORMANCE.md has the
-before and after). With few query rows (a group of at most 32) and few slots, the rows are
-split into 16-row programs, so the group's heads run on separate SMs, and each reads all its
-keys (up to a 32 KB block) at once. With few programs and many key blocks (pi0's expert at one
-slot: 13 programs, 28 blocks each) the keys are split over more programs, whose softmax states a
+before and after). With few query rows (a group of at most 32) and few slots, the rows are split
+into 16-row programs, so the group's heads run on separate SMs, and each reads all its keys (up
+to a 32 KB block) at once. At head dims above 128 (pi0's 256) each source instead starts on a
+key block of its own and is swept by a loop of its own, whose rows are one buffer's: a partial
+block per source costs less there than looking each key's row up in its source. With few
+programs and many key blocks (pi0's expert at one slot: 13 programs, 15 blocks of 64 keys each)
+the keys are split over more programs (two blocks each at head dim 256), whose softmax states a
 second kernel merges. With 3 or more key blocks after the last per-token-masked source, those
 blocks are swept by a second loop without mask loads, and a mask that is one flag per slot (an
 expanded ``(N, 1)``, stride 0) is read once per program rather than per key. Products run on
-tensor cores in the inputs' dtype (bf16), in full float32 for float32 inputs. The output is written as
-``(N, Tq, h, d)``: the layout the output projection reads. Rows with every key masked out
-return zeros (SDPA: NaN).
+tensor cores in the inputs' dtype (bf16), in full float32 for float32 inputs. The output is
+written as ``(N, Tq, h, d)``: the layout the output projection reads. Rows with every key masked
+out return zeros (SDPA: NaN).
 """
 
 from __future__ import annotations
@@ -39,6 +42,12 @@ keys valid; any strides, e.g. an expanded per-slot flag)."""
 
 MAX_SEGMENTS = 3  # context segments one kernel launch reads in place; more are concatenated first
 COMBINE_DIMS = 64  # head dims one program of the split-merge kernel takes
+
+
+def split_blocks(d: int) -> int:
+    """Fewest key blocks a program of a split call sweeps: at head dim 256 a block of 64 keys is
+    4 times the work of a 32-key block at 128, so two blocks a program suffice."""
+    return 4 if d <= 128 else 2
 
 
 def _concat(context: Sequence[Segment]) -> Segment:
@@ -96,13 +105,17 @@ if triton is not None:
         for start in range(lo, hi, BN):
             cols = start + tl.arange(0, BN)
             inside = cols < TK
-            seg = (cols >= e1).to(tl.int32)
+            kr, vr = k0 + cols * sk0, v0 + cols * sv0
+            seg = tl.zeros((BN,), dtype=tl.int32)
+            if SOURCES > 1:
+                seg = (cols >= e1).to(tl.int32)
             if SOURCES > 2:
                 seg += (cols >= e2).to(tl.int32)
             if SOURCES > 3:
                 seg += (cols >= e3).to(tl.int32)
-            kr = _row(k0 + cols * sk0, seg, 1, k1, cols - e1, sk1)
-            vr = _row(v0 + cols * sv0, seg, 1, v1, cols - e1, sv1)
+            if SOURCES > 1:
+                kr = _row(kr, seg, 1, k1, cols - e1, sk1)
+                vr = _row(vr, seg, 1, v1, cols - e1, sv1)
             if SOURCES > 2:
                 kr = _row(kr, seg, 2, k2, cols - e2, sk2)
                 vr = _row(vr, seg, 2, v2, cols - e2, sv2)
@@ -150,19 +163,38 @@ if triton is not None:
         return True
 
     @triton.jit
+    def _one_source(
+        acc, m_i, l_i, qb, lo, hi, start, length, scale, k, v, m, f, sk, sv, sm,
+        TOKENS: tl.constexpr, FLAGS: tl.constexpr, ALIGNED: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
+        PRECISION: tl.constexpr,
+    ):  # fmt: skip
+        """The keys of one source, which starts at key ``start`` of the block-padded sequence,
+        that fall in this program's keys lo .. hi: a sweep whose rows are one buffer's."""
+        a = tl.maximum(lo - start, 0)
+        b = tl.minimum(hi - start, length)
+        return _sweep(
+            acc, m_i, l_i, qb, a, b, length, scale, k, v, m, f, sk, sv, sm,
+            k, v, m, f, length, sk, sv, sm, k, v, m, f, length, sk, sv, sm, k, v, m, f, length, sk, sv, sm,
+            1, TOKENS, FLAGS, ALIGNED, BN, D, PRECISION,
+        )  # fmt: skip
+
+    @triton.jit
     def _attention_kernel(
         q, out, part, TQ, H, G, scale, sq_n, sq_h, sq_t,
         k0, v0, m0, sk0_n, sk0_g, sk0_t, sv0_n, sv0_g, sv0_t, sm0_n, sm0_t,
         k1, v1, m1, e1, sk1_n, sk1_g, sk1_t, sv1_n, sv1_g, sv1_t, sm1_n, sm1_t,
         k2, v2, m2, e2, sk2_n, sk2_g, sk2_t, sv2_n, sv2_g, sv2_t, sm2_n, sm2_t,
         k3, v3, m3, e3, sk3_n, sk3_g, sk3_t, sv3_n, sv3_g, sv3_t, sm3_n, sm3_t, TK, TM, CHUNK,
+        n0, n1, n2, n3,
         SOURCES: tl.constexpr, TOKENS: tl.constexpr, FLAGS: tl.constexpr, ALIGNED: tl.constexpr,
-        TWO_LOOPS: tl.constexpr, SPLIT: tl.constexpr,
+        TWO_LOOPS: tl.constexpr, PER_SOURCE: tl.constexpr, SPLIT: tl.constexpr,
         BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, GDC: tl.constexpr, PRECISION: tl.constexpr,
     ):  # fmt: skip
         # Sources 0 .. SOURCES-1 (context segments, then the own block) form one sequence of TK
         # keys. With TWO_LOOPS, keys below TM (a multiple of BN) are swept with the per-token
-        # masks and the rest by a second loop without them; else one loop loads them all.
+        # masks and the rest by a second loop without them; else one loop loads them all. With
+        # PER_SOURCE, each source (n_i keys) starts on a block of its own, at key e_i of a
+        # sequence of TK padded keys, and is swept by a loop of its own.
         # Program (i, j, s) takes keys s*CHUNK .. (s+1)*CHUNK; with SPLIT its softmax state
         # (acc, max, sum) goes to ``part`` for _combine_kernel, else the output to ``out``.
         inputs_ready(GDC)  # every input is an earlier kernel's output
@@ -195,16 +227,37 @@ if triton is not None:
             k2, v2, m2, f2, e2, sk2_t, sv2_t, sm2_t,
             k3, v3, m3, f3, e3, sk3_t, sv3_t, sm3_t,
         )  # fmt: skip
-        if TWO_LOOPS:
+        if PER_SOURCE:
+            acc, m_i, l_i = _one_source(
+                acc, m_i, l_i, qb, lo, hi, 0, n0, scale, k0, v0, m0, f0, sk0_t, sv0_t, sm0_t,
+                TOKENS % 2, FLAGS % 2, ALIGNED, BN, D, PRECISION,
+            )  # fmt: skip
+            if SOURCES > 1:
+                acc, m_i, l_i = _one_source(
+                    acc, m_i, l_i, qb, lo, hi, e1, n1, scale, k1, v1, m1, f1, sk1_t, sv1_t, sm1_t,
+                    TOKENS // 2 % 2, FLAGS // 2 % 2, ALIGNED, BN, D, PRECISION,
+                )  # fmt: skip
+            if SOURCES > 2:
+                acc, m_i, l_i = _one_source(
+                    acc, m_i, l_i, qb, lo, hi, e2, n2, scale, k2, v2, m2, f2, sk2_t, sv2_t, sm2_t,
+                    TOKENS // 4 % 2, FLAGS // 4 % 2, ALIGNED, BN, D, PRECISION,
+                )  # fmt: skip
+            if SOURCES > 3:
+                acc, m_i, l_i = _one_source(
+                    acc, m_i, l_i, qb, lo, hi, e3, n3, scale, k3, v3, m3, f3, sk3_t, sv3_t, sm3_t,
+                    TOKENS // 8 % 2, FLAGS // 8 % 2, ALIGNED, BN, D, PRECISION,
+                )  # fmt: skip
+        elif TWO_LOOPS:
             acc, m_i, l_i = _sweep(
                 acc, m_i, l_i, qb, lo, tl.minimum(hi, TM), TK, scale, *sources,
                 SOURCES, TOKENS, FLAGS, ALIGNED, BN, D, PRECISION,
             )  # fmt: skip
             lo = tl.maximum(lo, TM)
-        acc, m_i, l_i = _sweep(
-            acc, m_i, l_i, qb, lo, hi, TK, scale, *sources,
-            SOURCES, 0 if TWO_LOOPS else TOKENS, FLAGS, ALIGNED, BN, D, PRECISION,
-        )  # fmt: skip
+        if not PER_SOURCE:
+            acc, m_i, l_i = _sweep(
+                acc, m_i, l_i, qb, lo, hi, TK, scale, *sources,
+                SOURCES, 0 if TWO_LOOPS else TOKENS, FLAGS, ALIGNED, BN, D, PRECISION,
+            )  # fmt: skip
         if SPLIT:  # part: (splits, N*g, rows, D + 2) float32, rows padded to BM
             at = part + ((tl.program_id(2) * tl.num_programs(1) + pid_nk) * tl.num_programs(0) * BM + rows) * (D + 2)
             tl.store(at[:, None] + dims[None, :], acc)
@@ -264,7 +317,7 @@ def _tiles(rows: int, groups: int, keys: int, d: int, itemsize: int, sms: int) -
         return bm, 32, 2 if bm <= 32 else 4, 3  # the fastest launch shape at 1024 and 4096 slots
     if d <= 128:  # few programs
         return bm, 128 if d <= 64 and bm > 32 else 64, 4, 3
-    return bm, 32, 8, 3
+    return bm, 64 if itemsize <= 2 else 32, 4, 2  # float32: two stages of 64-key blocks exceed shared memory
 
 
 def attention_triton(
@@ -285,7 +338,11 @@ def attention_triton(
     if d & (d - 1) or d < 16 or any(layout_problem(x, unit=(-1,)) for x in (q, *(t for s in sources for t in s[:2]))):
         return attention_reference(q, k, v, mask, context)
     out = q.new_empty((n, tq, h, d))
-    args, tokens, flags, start, token_end = [], 0, 0, 0, 0
+    group, sms = h // g, sm_count(q.device)
+    keys = sum(src[0].shape[2] for src in sources)
+    bm, bn, warps, stages = _tiles(group * tq, n * g, keys, d, q.element_size(), sms)
+    per_source = d > 128  # each source on blocks of its own: its rows are one buffer's
+    args, tokens, flags, start, token_end, lengths = [], 0, 0, 0, 0, []
     for i, (sk, sv, sm) in enumerate([*sources, *[sources[-1]] * (MAX_SEGMENTS + 1 - len(sources))]):
         real = i < len(sources)
         m8 = q if sm is None else sm.view(torch.uint8)  # any tensor stands in for an absent mask
@@ -296,9 +353,8 @@ def attention_triton(
             token_end = start + sk.shape[2]
         sm_strides = (0, 0) if sm is None else m8.stride()
         args += [sk, sv, m8, *([start] if i else []), *sk.stride()[:3], *sv.stride()[:3], *sm_strides]
-        start += sk.shape[2] if real else 0
-    group, sms = h // g, sm_count(q.device)
-    bm, bn, warps, stages = _tiles(group * tq, n * g, start, d, q.element_size(), sms)
+        lengths.append(sk.shape[2] if real else 0)
+        start += (triton.cdiv(sk.shape[2], bn) * bn if per_source else sk.shape[2]) if real else 0
     grid = (triton.cdiv(group * tq, bm), n * g)
     rows = [x for src in sources for x in src[:2]]
     aligned = all(
@@ -310,18 +366,19 @@ def attention_triton(
     # Per-token masks in the first blocks only, flags read once before the keys: pays from 3
     # unmasked blocks on. With fewer, the second loop's set-up and the flags' load before the
     # first block cost more than they save.
-    two_loops = blocks - triton.cdiv(token_end, bn) >= 3
-    if not two_loops:
+    two_loops = not per_source and blocks - triton.cdiv(token_end, bn) >= 3
+    if not two_loops and not per_source:
         tokens, flags = tokens | flags, 0
-    splits = min(blocks // 4, sms // programs) if 2 * programs <= sms and blocks >= 8 else 1
+    least = split_blocks(d)
+    splits = min(blocks // least, sms // programs) if 2 * programs <= sms and blocks >= 2 * least else 1
     chunk = triton.cdiv(max(blocks, 1), splits) * bn
     splits = triton.cdiv(start, chunk)
     part = out if splits == 1 else q.new_empty((splits, grid[1], grid[0] * bm, d + 2), dtype=torch.float32)
     if n * tq:
         _attention_kernel[(*grid, splits)](
             q, out, part, tq, h, group, math.log2(math.e) / math.sqrt(d), *q.stride()[:3], *args, start,
-            triton.cdiv(token_end, bn) * bn, chunk, SOURCES=len(sources), TOKENS=tokens, FLAGS=flags,
-            ALIGNED=aligned, TWO_LOOPS=two_loops, SPLIT=splits > 1, BM=bm, BN=bn, D=d,
+            triton.cdiv(token_end, bn) * bn, chunk, *lengths, SOURCES=len(sources), TOKENS=tokens, FLAGS=flags,
+            ALIGNED=aligned, TWO_LOOPS=two_loops, PER_SOURCE=per_source, SPLIT=splits > 1, BM=bm, BN=bn, D=d,
             PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=warps, num_stages=stages,
             **dependent_launch(q.device, programs * splits),
         )  # fmt: skip

@@ -35,6 +35,8 @@ def poison_allocator(device: str) -> None:
     never writes reads back as NaN (freshly allocated CPU memory is left as the OS gives it)."""
     if device != "cuda":
         return
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()  # blocks still cached hold earlier outputs; poison fresh ones
     big = torch.full((32 << 20,), float("nan"), device=device)  # large-block pool
     small = [torch.full((1 << 18,), float("nan"), device=device) for _ in range(16)]  # small-block pool
     del big, small

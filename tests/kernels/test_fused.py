@@ -305,6 +305,48 @@ def test_attention_splits_the_keys_only_when_programs_are_few(device, monkeypatc
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_a_wide_head_sweeps_each_source_on_blocks_of_its_own(device, monkeypatch):
+    """pi0's expert layout at head dim 256: language (per-token mask), images (a per-slot flag),
+    the state token (one key, a flag) and the own keys, each swept by a loop of its own from a
+    block boundary. Matches the reference; mutation: the same comparison against attention
+    without the one-key state source (the block it alone fills) fails."""
+    import flashrt.kernels.grouped_attention as ga
+
+    kernel, modes = ga._attention_kernel, []
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                modes.append(kwargs["PER_SOURCE"])
+                return kernel[grid](*args, **kwargs)
+
+            return launch
+
+    monkeypatch.setattr(ga, "_attention_kernel", Spy())
+    g = torch.Generator(device=device).manual_seed(21)
+    for dtype in dtypes(device):
+        rnd = lambda *s, dt=dtype: torch.randn(*s, device=device, generator=g).to(dt)  # noqa: E731
+        n, d = 2, 256
+        q, k, v = rnd(n, 50, 8, d).transpose(1, 2), rnd(n, 1, 50, d), rnd(n, 1, 50, d)
+        block = rnd(n, 2, 1, 70 + 48 + 1, d) * 2  # block B's keys/values: images, language, state
+        text = torch.rand(n, 48, device=device, generator=g) < 0.7
+        flag = torch.tensor([[True], [True]], device=device)
+        segments = [
+            (block[:, 0, :, 70:118], block[:, 1, :, 70:118], text),
+            (block[:, 0, :, :70], block[:, 1, :, :70], flag.expand(-1, 70)),
+            (block[:, 0, :, 118:], block[:, 1, :, 118:], flag),
+        ]
+        poison_allocator(device)
+        got = attention_triton(q, k, v, None, segments)
+        fq, fk, fv = q.float(), k.float(), v.float()
+        full = [(a.float(), b.float(), m) for a, b, m in segments]
+        close(got, attention_reference(fq, fk, fv, None, full), dtype)
+        with pytest.raises(AssertionError):
+            close(got, attention_reference(fq, fk, fv, None, full[:2]), dtype)
+    assert modes and all(modes)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_the_merge_of_a_wide_head_tiles_its_dims_over_programs(device, monkeypatch):
     """pi0's expert at one slot (head dim 256, keys split over programs): the merge runs as four
     programs per row block, each on 64 of the dims, and matches the reference. Mutation: the
