@@ -361,7 +361,7 @@ def attention_triton(
         x.data_ptr() % 16 == 0 and all(st * x.element_size() % 16 == 0 for st in x.stride()[:3]) for x in rows
     )
     # Few programs, many key blocks: each program's keys are a long serial chain, so the keys are
-    # split over more programs (at least 4 blocks each) and their softmax states merged after.
+    # split over more programs (at least split_blocks(d) blocks each), their softmax states merged after.
     blocks, programs = triton.cdiv(start, bn), grid[0] * grid[1]
     # Per-token masks in the first blocks only, flags read once before the keys: pays from 3
     # unmasked blocks on. With fewer, the second loop's set-up and the flags' load before the
