@@ -44,7 +44,7 @@ MAX_SEGMENTS = 3  # context segments one kernel launch reads in place; more are 
 COMBINE_DIMS = 64  # head dims one program of the split-merge kernel takes
 
 
-def split_blocks(d: int) -> int:
+def _split_blocks(d: int) -> int:
     """Fewest key blocks a program of a split call sweeps: at head dim 256 a block of 64 keys is
     4 times the work of a 32-key block at 128, so two blocks a program suffice."""
     return 4 if d <= 128 else 2
@@ -361,7 +361,7 @@ def attention_triton(
         x.data_ptr() % 16 == 0 and all(st * x.element_size() % 16 == 0 for st in x.stride()[:3]) for x in rows
     )
     # Few programs, many key blocks: each program's keys are a long serial chain, so the keys are
-    # split over more programs (at least split_blocks(d) blocks each), their softmax states merged after.
+    # split over more programs (at least _split_blocks(d) blocks each), their softmax states merged after.
     blocks, programs = triton.cdiv(start, bn), grid[0] * grid[1]
     # Per-token masks in the first blocks only, flags read once before the keys: pays from 3
     # unmasked blocks on. With fewer, the second loop's set-up and the flags' load before the
@@ -369,7 +369,7 @@ def attention_triton(
     two_loops = not per_source and blocks - triton.cdiv(token_end, bn) >= 3
     if not two_loops and not per_source:
         tokens, flags = tokens | flags, 0
-    least = split_blocks(d)
+    least = _split_blocks(d)
     splits = min(blocks // least, sms // programs) if 2 * programs <= sms and blocks >= 2 * least else 1
     chunk = triton.cdiv(max(blocks, 1), splits) * bn
     splits = triton.cdiv(start, chunk)

@@ -8,11 +8,11 @@ from scripts/headline.sh). Groups are compared on their last *validation* evalua
 to choose by; with several groups the script names the best), and the chosen group's figure is
 its final success on the *test* starts (``summary.json``); the curves are the validation points.
 Writes ``summary.md``, ``aggregate.json`` and ``curves.png`` into the folder and prints the
-table. A run stopped before
-its end (no ``summary.json``) is counted as unfinished and left out of the final figures. The
-column at 200 000 env steps comes from the curves' test point there, so an unfinished run that got
-that far counts in it (a group of unfinished runs shows the base policy's success on the same
-starts beside it); it is shown when every run of the group got there.
+table. A run stopped before its end (no ``summary.json``) is counted as unfinished and left out
+of the final figures. The column at 200 000 env steps comes from the curves' test point there,
+so an unfinished run that got that far counts in it (a group of unfinished runs shows the base
+policy's success on the same starts beside it); it is shown when every run of the group got
+there.
 """
 
 from __future__ import annotations

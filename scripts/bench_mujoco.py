@@ -14,9 +14,9 @@ core) run until ``--cpu-budget-s`` seconds have passed. For MuJoCo Warp also: gr
 eager (the largest relative difference of every output and physics value, one step at a time
 from a shared capsule, through autoresets, at sizes up to ``--eager-max``; beside it two eager
 envs, in lockstep and running freely: MuJoCo Warp does not repeat a run bit for bit across env
-instances), the kernels
-of one replay of the step graph (count, span, the top kernels by marginal time) and any warning
-of the runtime's guarded graph (none: the step is one launch with its body a conditional node).
+instances), the kernels of one replay of the step graph (count, span, the top kernels by
+marginal time) and any warning of the runtime's guarded graph (none: the step is one launch with
+its body a conditional node).
 
 Physics tick alone, at each size: ``WarpPush.run_ticks`` of one tick (control, load,
 ``frame_skip`` MuJoCo Warp steps, store, rewards) recorded in a torch CUDA graph, and replayed
