@@ -18,6 +18,10 @@ Either way the product is rounded once to the output dtype after the bias or the
 added (and the GELU of :func:`linear_gelu` taken) in float32, as cuBLAS's ``addmm`` and
 cuBLASLt's GELU epilogue round. More rows or wider inputs take cuBLAS, which is faster there
 (pi0's down projection, 4096 wide: docs/PERFORMANCE.md).
+
+The blocked kernel also takes a gated MLP's input half, :func:`linear_geglu`: a program sweeps
+matching gate and up rows and takes ``gelu_tanh(gate) * up`` in its epilogue, so the gate/up
+product is never written (one kernel where the expert ran two).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from flashrt.kernels.activation import gelu_mul, gelu_mul_reference
 from flashrt.kernels.backend import check_layout, dependent_launch, tl, triton, use_triton
 
 MAX_ROWS = 256
@@ -45,6 +50,11 @@ row is read by one program)."""
 def linear_gelu_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     """Torch reference of :func:`linear_gelu`."""
     return F.gelu(F.linear(x, weight, bias), approximate="tanh")
+
+
+def linear_geglu_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Torch reference of :func:`linear_geglu`."""
+    return gelu_mul_reference(F.linear(x, weight))
 
 
 def add_matmul_reference(x: torch.Tensor, a: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -98,27 +108,37 @@ if triton is not None:
     @triton.jit
     def _linear_loop_kernel(
         a, weight, bias, out, rows, K, N, s_bias,
-        HAS_BIAS: tl.constexpr, ACCUMULATE: tl.constexpr, GELU: tl.constexpr, BM: tl.constexpr,
-        BN: tl.constexpr, BK: tl.constexpr, GDC: tl.constexpr, PRECISION: tl.constexpr,
+        HAS_BIAS: tl.constexpr, ACCUMULATE: tl.constexpr, GELU: tl.constexpr, GEGLU: tl.constexpr,
+        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GDC: tl.constexpr, PRECISION: tl.constexpr,
     ):  # fmt: skip
         # Program j: every row (at most BM) by weight rows j*BN.., k swept in BK blocks (pipelined).
+        # GEGLU: output columns j*BN.. of N, from gate rows j*BN.. and up rows N + j*BN.. .
         cols = tl.program_id(0) * BN + tl.arange(0, BN)
         row = tl.arange(0, BM)
         live = row < rows
         ks = tl.arange(0, BK)
         inputs_ready(GDC)
         acc = tl.zeros((BM, BN), dtype=tl.float32)
+        up = tl.zeros((BM, BN), dtype=tl.float32)
+        w_rows = weight + cols[:, None].to(tl.int64) * K
         for k0 in range(0, K, BK):
             kin = (k0 + ks) < K
             x = tl.load(a + row[:, None] * K + (k0 + ks)[None, :], mask=live[:, None] & kin[None, :], other=0.0)
-            w = tl.load(
-                weight + cols[:, None].to(tl.int64) * K + (k0 + ks)[None, :],
-                mask=(cols[:, None] < N) & kin[None, :],
-                other=0.0,
-            )
+            w_mask = (cols[:, None] < N) & kin[None, :]
+            w = tl.load(w_rows + (k0 + ks)[None, :], mask=w_mask, other=0.0)
             acc += tl.dot(x, tl.trans(w), input_precision=PRECISION)
+            if GEGLU:
+                wu = tl.load(w_rows + N.to(tl.int64) * K + (k0 + ks)[None, :], mask=w_mask, other=0.0)
+                up += tl.dot(x, tl.trans(wu), input_precision=PRECISION)
         if HAS_BIAS:
             acc += tl.load(bias + cols * s_bias, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+        if GEGLU:  # rounded as the chain kernels.linear -> kernels.gelu_mul rounds
+            dtype = out.dtype.element_ty
+            g = acc.to(dtype).to(tl.float32)
+            z = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+            tanh = 1.0 - 2.0 / (tl.exp(2.0 * z) + 1.0)
+            act = (0.5 * g * (1.0 + tanh)).to(dtype).to(tl.float32)
+            acc = act * up.to(dtype).to(tl.float32)
         _finish(acc, out, row, live, cols, N, ACCUMULATE, GELU)
 
 
@@ -129,7 +149,10 @@ def _launch(
     out: torch.Tensor,
     accumulate: bool = False,
     gelu: bool = False,
+    geglu: bool = False,
 ) -> None:
+    """Run ``a @ weight^T`` (+ bias, + out, GELU) into ``out``; ``geglu``: the blocked kernel's
+    ``gelu_tanh(gate) * up`` over the weight's two halves (``out`` has half its rows' columns)."""
     check_layout("kernels.matmul", "a", a, contiguous=True)
     check_layout("kernels.matmul", "weight", weight, contiguous=True)
     check_layout("kernels.matmul", "out", out, contiguous=True)
@@ -142,13 +165,17 @@ def _launch(
         HAS_BIAS=bias is not None, ACCUMULATE=accumulate, GELU=gelu,
         PRECISION="ieee" if a.dtype == torch.float32 else "tf32", num_warps=4,
     )  # fmt: skip
-    if not _whole_rows(rows, k, n):  # blocked k: every row in one program
+    if geglu or not _whole_rows(rows, k, n):  # blocked k: every row in one program
         bn, bk = loop_tiles(n, a.element_size())
+        if geglu:  # half the rows a program, from each half: the same weight bytes
+            n, bn = n // 2, max(16, bn // 2)
+            args = (*args[:6], n, *args[7:])
         grid = (triton.cdiv(n, bn),)
         bm = max(16, triton.next_power_of_2(rows))
         _linear_loop_kernel[grid](
-            *args, BM=bm, BN=bn, BK=bk, num_stages=4, **options, **dependent_launch(a.device, grid[0])
-        )
+            *args, GEGLU=geglu, BM=bm, BN=bn, BK=bk, num_stages=4, **options,
+            **dependent_launch(a.device, grid[0]),
+        )  # fmt: skip
         return
     bk = max(16, triton.next_power_of_2(k))
     bn = max(16, min(64, 16384 // bk))  # a 32 KB bf16 weight block a program
@@ -171,11 +198,18 @@ def _whole_rows(rows: int, k: int, n: int) -> bool:
     return k <= MAX_K and rows <= MAX_ROWS and n * k <= MAX_WEIGHT
 
 
-def _fits(a: torch.Tensor, weight: torch.Tensor, *tensors: torch.Tensor) -> bool:
-    """Whether a call takes a Triton kernel (else torch, which also reports dtype mismatches)."""
+def _blocked_rows(rows: int, k: int) -> bool:
+    """Whether the blocked-``k`` kernel can take a call (its one block of rows, inputs up to
+    :data:`MAX_LOOP_K` wide)."""
+    return k <= MAX_LOOP_K and rows <= LOOP_ROWS
+
+
+def _fits(a: torch.Tensor, weight: torch.Tensor, *tensors: torch.Tensor, blocked: bool = False) -> bool:
+    """Whether a call takes a Triton kernel (``blocked``: the blocked-``k`` one; else torch, which
+    also reports dtype mismatches)."""
     n, k = weight.shape
     rows = a.numel() // max(k, 1)
-    few = 16 <= k and (_whole_rows(rows, k, n) or (k <= MAX_LOOP_K and rows <= LOOP_ROWS))
+    few = 16 <= k and (_blocked_rows(rows, k) or (not blocked and _whole_rows(rows, k, n)))
     same = all(t.dtype == a.dtype for t in (weight, *tensors))
     return few and same and weight.is_contiguous() and use_triton(a, weight, *tensors)
 
@@ -213,6 +247,25 @@ def linear_gelu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> to
         out = torch._addmm_activation(bias, x.reshape(-1, x.shape[-1]), weight.t(), use_gelu=True)
         return out.view(*x.shape[:-1], weight.shape[0])
     return linear_gelu_reference(x, weight, bias)
+
+
+def linear_geglu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``gelu_tanh(x @ W_gate^T) * (x @ W_up^T)`` for ``x (..., k)`` and the fused gate/up weight
+    ``(2m, k)``, gate rows first -> ``(..., m)``: :func:`flashrt.kernels.gelu_mul` of
+    :func:`linear`, rounded as that chain rounds.
+
+    Over few rows (the action expert's tokens) the blocked-``k`` kernel takes it whole, the
+    activation in its epilogue; elsewhere the chain runs."""
+    _check("linear_geglu", x, weight)
+    if weight.shape[0] % 2:
+        raise ValueError(
+            f"linear_geglu: the weight needs an even row count (gate and up halves), got {weight.shape[0]}"
+        )
+    if _fits(x, weight, blocked=True):
+        out = x.new_empty((*x.shape[:-1], weight.shape[0] // 2))
+        _launch(x.contiguous(), weight, None, out, geglu=True)
+        return out
+    return gelu_mul(linear(x, weight))
 
 
 def add_matmul(x: torch.Tensor, a: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -9,6 +9,12 @@ and the statistics are taken in float32; RMSNorm rounds the normalised row to th
 before the weight (as the Gemma-style reference does), LayerNorm rounds once at the end (as
 ``F.layer_norm`` does). A program takes several short rows; each row is read once and written
 once (twice with the residual).
+
+pi0.5's time-conditioned expert takes the adaptive forms (:func:`add_ada_rms_norm`,
+:func:`gated_add`): the residual add scales its delta by a gate, and the norm's scale and
+shift come from a modulation (``policies.layers.AdaRMSNorm``), shared by every slot or one per
+slot. Rounding follows LeRobot's ``PiGemmaRMSNorm``: the gated delta and the sum each rounded to
+the input dtype, the normalised row scaled and shifted in float32 and rounded once.
 """
 
 from __future__ import annotations
@@ -36,17 +42,36 @@ def add_layer_norm_reference(
     return h, F.layer_norm(h, h.shape[-1:], weight, bias, eps)
 
 
+def add_ada_rms_norm_reference(
+    x: torch.Tensor, delta: torch.Tensor | None, gate: torch.Tensor | None, mod: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Torch reference of :func:`add_ada_rms_norm`."""
+    h = x if delta is None else gated_add_reference(x, delta, gate)
+    hf = h.float()
+    y = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)
+    scale, shift = (mod[:, None, 0], mod[:, None, 1]) if mod.dim() == 3 else (mod[0], mod[1])
+    return h, (y * scale + shift).to(h.dtype)
+
+
+def gated_add_reference(x: torch.Tensor, delta: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """Torch reference of :func:`gated_add`."""
+    return x + delta * (gate[:, None] if gate.dim() == 2 else gate).to(x.dtype)
+
+
 if triton is not None:
     from flashrt.kernels.backend import inputs_ready
 
     @triton.jit
     def _add_norm_kernel(
-        x, delta, weight, bias, h_out, y_out, rows, delta_rows, width, eps, s_w, s_b,
-        HAS_DELTA: tl.constexpr, LAYER: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
-        GDC: tl.constexpr,
+        x, delta, gate, weight, bias, h_out, y_out, rows, delta_rows, slot_rows, width, eps, s_w, s_b, s_wn, s_gn,
+        HAS_DELTA: tl.constexpr, GATED: tl.constexpr, NORM: tl.constexpr, LAYER: tl.constexpr,
+        SHIFT: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, GDC: tl.constexpr,
     ):  # fmt: skip
+        # Row r belongs to slot r // slot_rows: the gate's and the (modulated) weight's row of it
+        # (strides s_gn, s_wn; 0 where every slot shares one).
         inputs_ready(GDC)
         row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+        slot = (row // slot_rows)[:, None]
         cols = tl.arange(0, BLOCK)
         inside = cols[None, :] < width
         m = (row < rows)[:, None] & inside
@@ -54,47 +79,74 @@ if triton is not None:
         h = tl.load(x + off, mask=m, other=0.0)
         if HAS_DELTA:  # delta's rows repeat every delta_rows rows of x (a broadcast over leading dims)
             d = tl.load(delta + (row % delta_rows)[:, None] * width + cols[None, :], mask=m, other=0.0)
+            if GATED:  # the gate rounded to x's dtype, then the product, as the reference rounds
+                g = tl.load(gate + slot * s_gn + cols[None, :], mask=m, other=0.0).to(h.dtype).to(tl.float32)
+                d = (d.to(tl.float32) * g).to(h.dtype)
             h = (h.to(tl.float32) + d.to(tl.float32)).to(h.dtype)
             tl.store(h_out + off, h, mask=m)
-        hf = h.to(tl.float32)
-        w = tl.load(weight + cols * s_w, mask=cols < width, other=0.0).to(tl.float32)[None, :]
-        if LAYER:
-            c = tl.where(inside, hf - (tl.sum(hf, axis=1) / width)[:, None], 0.0)
-            r = 1.0 / tl.sqrt(tl.sum(c * c, axis=1) / width + eps)
-            y = c * r[:, None] * w + tl.load(bias + cols * s_b, mask=cols < width, other=0.0).to(tl.float32)[None, :]
-        else:
-            r = 1.0 / tl.sqrt(tl.sum(hf * hf, axis=1) / width + eps)
-            y = (hf * r[:, None]).to(h.dtype).to(tl.float32) * w
-        tl.store(y_out + off, y.to(h.dtype), mask=m)
+        if NORM:
+            hf = h.to(tl.float32)
+            w = tl.load(weight + slot * s_wn + cols[None, :] * s_w, mask=m, other=0.0).to(tl.float32)
+            if LAYER:
+                c = tl.where(inside, hf - (tl.sum(hf, axis=1) / width)[:, None], 0.0)
+                r = 1.0 / tl.sqrt(tl.sum(c * c, axis=1) / width + eps)
+                b = tl.load(bias + cols * s_b, mask=cols < width, other=0.0).to(tl.float32)[None, :]
+                y = c * r[:, None] * w + b
+            else:
+                r = 1.0 / tl.sqrt(tl.sum(hf * hf, axis=1) / width + eps)
+                if SHIFT:  # adaptive: scale and shift in float32, one rounding
+                    b = tl.load(bias + slot * s_wn + cols[None, :] * s_b, mask=m, other=0.0).to(tl.float32)
+                    y = hf * r[:, None] * w + b
+                else:  # Gemma-style: the normalised row rounded before the weight
+                    y = (hf * r[:, None]).to(h.dtype).to(tl.float32) * w
+            tl.store(y_out + off, y.to(h.dtype), mask=m)
 
 
 def _add_norm_triton(
-    x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor | None, eps: float
-) -> tuple[torch.Tensor, torch.Tensor]:
+    x: torch.Tensor,
+    delta: torch.Tensor | None,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    eps: float,
+    *,
+    gate: torch.Tensor | None = None,
+    layer: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Launch the kernel: ``weight`` None skips the norm (``y`` None); ``bias`` is LayerNorm's
+    (``layer``) or the adaptive shift; a 2-D ``weight``/``bias``/``gate`` has a row per slot of x."""
     width = x.shape[-1]
     x = x.contiguous()
     h = x if delta is None else torch.empty_like(x)
-    y = torch.empty_like(x)
+    y = None if weight is None else torch.empty_like(x)
     rows = x.numel() // width if width else 0
+    slots = (weight if weight is not None and weight.dim() == 2 else gate if gate is not None else x).shape[0]
     if rows:
         block = triton.next_power_of_2(width)
         per_program = max(1, min(16, 2048 // block))  # short rows: several a program
         programs = triton.cdiv(rows, per_program)
+        stand_in = x  # any tensor stands in for an absent one
         _add_norm_kernel[(programs,)](
             x,
-            x if delta is None else delta.contiguous(),
-            weight,
-            weight if bias is None else bias,
+            stand_in if delta is None else delta.contiguous(),
+            stand_in if gate is None else gate,
+            stand_in if weight is None else weight,
+            stand_in if bias is None else bias,
             h,
-            y,
+            stand_in if y is None else y,
             rows,
             1 if delta is None else delta.numel() // width,
+            max(1, rows // slots),
             width,
             eps,
-            weight.stride(0),
-            1 if bias is None else bias.stride(0),
+            1 if weight is None else weight.stride(-1),
+            1 if bias is None else bias.stride(-1),
+            weight.stride(0) if weight is not None and weight.dim() == 2 else 0,
+            gate.stride(0) if gate is not None and gate.dim() == 2 else 0,
             HAS_DELTA=delta is not None,
-            LAYER=bias is not None,
+            GATED=gate is not None,
+            NORM=weight is not None,
+            LAYER=layer,
+            SHIFT=bias is not None and not layer,
             ROWS=per_program,
             BLOCK=block,
             num_warps=4 if block <= 2048 else 8,
@@ -114,7 +166,7 @@ def add_layer_norm_triton(
     x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The Triton kernel (called by :func:`add_layer_norm` on CUDA)."""
-    return _add_norm_triton(x, delta, weight, bias, eps)
+    return _add_norm_triton(x, delta, weight, bias, eps, layer=True)
 
 
 def _check(name: str, x: torch.Tensor, delta: torch.Tensor | None, *params: torch.Tensor) -> None:
@@ -148,3 +200,54 @@ def add_layer_norm(
     if use_triton(*tensors) and x.dtype == weight.dtype == bias.dtype:
         return add_layer_norm_triton(x, delta, weight, bias, eps)
     return add_layer_norm_reference(x, delta, weight, bias, eps)
+
+
+def _check_modulation(name: str, x: torch.Tensor, t: torch.Tensor, what: str, rows: int) -> None:
+    """``t`` must be ``(rows, W)`` float32 for x ``(..., W)``, or ``(N, rows, W)`` for x ``(N, T, W)``."""
+    w = x.shape[-1]
+    shared, per_slot = (rows, w), (x.shape[0], rows, w)
+    if rows == 1:
+        shared, per_slot = (w,), (x.shape[0], w)
+    if t.dtype != torch.float32 or (t.shape != shared and not (x.dim() == 3 and t.shape == per_slot)):
+        raise ValueError(
+            f"{name}: the {what} must be float32 {shared}, or {per_slot} one per slot of x (N, T, W), "
+            f"got {t.dtype} {tuple(t.shape)} for x {tuple(x.shape)}; pass AdaRMSNorm.modulation's output"
+        )
+
+
+def add_ada_rms_norm(
+    x: torch.Tensor, delta: torch.Tensor | None, gate: torch.Tensor | None, mod: torch.Tensor, eps: float = 1e-6
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """pi0.5's adaptive RMSNorm after its gated residual add: ``(h, y)`` with
+    ``h = x + delta * gate`` (``x`` if ``delta`` is None) and
+    ``y = rms_norm(h) * mod[0] + mod[1]``.
+
+    Args:
+        x: ``(N, T, W)`` (or ``(..., W)`` with shared modulations) residual stream.
+        delta: x's shape, or None.
+        gate: ``(W,)`` or ``(N, W)`` float32, the previous modulation's residual gate (with ``delta``).
+        mod: ``(3, W)`` or ``(N, 3, W)`` float32: ``1 + scale``, ``shift`` and gate
+            (``policies.layers.AdaRMSNorm.modulation``); rows 0 and 1 are read.
+        eps: the norm's epsilon.
+    """
+    _check("add_ada_rms_norm", x, delta)
+    if delta is not None and (delta.shape != x.shape or gate is None):
+        raise ValueError(f"add_ada_rms_norm: a delta must have x's shape {tuple(x.shape)} and come with its gate")
+    _check_modulation("add_ada_rms_norm", x, mod, "modulation", 3)
+    if gate is not None:
+        _check_modulation("add_ada_rms_norm", x, gate, "gate", 1)
+    tensors = [t for t in (x, delta, gate, mod) if t is not None]
+    if use_triton(*tensors):
+        return _add_norm_triton(x, delta, mod.select(-2, 0), mod.select(-2, 1), eps, gate=gate)
+    return add_ada_rms_norm_reference(x, delta, gate, mod, eps)
+
+
+def gated_add(x: torch.Tensor, delta: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """``x + delta * gate``: pi0.5's gated residual add, rounded as :func:`add_ada_rms_norm` adds.
+    x and delta ``(N, T, W)`` (or ``(..., W)`` with a shared gate); gate ``(W,)`` or ``(N, W)`` float32."""
+    if delta.shape != x.shape:
+        raise ValueError(f"gated_add: delta {tuple(delta.shape)} must have x's shape {tuple(x.shape)}")
+    _check_modulation("gated_add", x, gate, "gate", 1)
+    if use_triton(x, delta, gate):
+        return _add_norm_triton(x, delta, None, None, 0.0, gate=gate)[0]
+    return gated_add_reference(x, delta, gate)

@@ -17,7 +17,7 @@ projection's output is written to memory. Rounding follows the unfused chain: th
 rotation or the GELU; only the order of the matmul's sums differs (as between any two GEMMs).
 Wider rows (``pi0``) and calls over many rows take the unfused chain, whose matmul is
 :func:`flashrt.kernels.linear` (cuBLAS over many rows; at pi0's expert, 50 rows, the blocked-k
-Triton kernel).
+Triton kernel, which also takes the GeGLU: :func:`flashrt.kernels.linear_geglu`).
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from flashrt.kernels.activation import gelu_mul, gelu_mul_reference
+from flashrt.kernels.activation import gelu_mul_reference
 from flashrt.kernels.backend import check_layout, dependent_launch, tl, triton, use_triton
-from flashrt.kernels.matmul import linear
+from flashrt.kernels.matmul import linear, linear_geglu
 from flashrt.kernels.norm import add_rms_norm, add_rms_norm_reference
 from flashrt.kernels.rotary import check_frequencies, check_positions, kv_destination, qkv_rope, qkv_rope_reference
 
@@ -233,7 +233,7 @@ def rms_norm_geglu(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weigh
         )
     if _fits(GEGLU_MAX_ROWS, x, weight, norm_weight):
         return rms_norm_geglu_triton(x, norm_weight, eps, weight)
-    return gelu_mul(linear(add_rms_norm(x, None, norm_weight, eps)[1], weight))
+    return linear_geglu(add_rms_norm(x, None, norm_weight, eps)[1], weight)
 
 
 def rms_norm_qkv_rope(

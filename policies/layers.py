@@ -13,12 +13,14 @@ import torch
 from torch import nn
 
 from flashrt.kernels import (
+    add_ada_rms_norm,
     add_layer_norm,
     add_matmul,
     add_rms_norm,
     attention,
-    gelu_mul,
+    gated_add,
     linear,
+    linear_geglu,
     linear_gelu,
     qkv_rope,
     rms_norm_geglu,
@@ -66,7 +68,10 @@ class RMSNorm(nn.Module):
 
 class AdaRMSNorm(nn.Module):
     """pi0.5's adaptive RMSNorm: a condition ``c`` sets the scale, shift and residual gate,
-    ``(scale, shift, gate) = dense(c)``; ``y = norm(x) * (1 + scale) + shift`` in float32."""
+    ``(scale, shift, gate) = dense(c)``; ``y = norm(x) * (1 + scale) + shift`` in float32
+    (LeRobot's ``PiGemmaRMSNorm`` with a condition), and the residual it feeds is added back
+    times ``gate``. The kernels take the modulation: :func:`flashrt.kernels.add_ada_rms_norm`,
+    :func:`flashrt.kernels.gated_add`."""
 
     def __init__(self, dim: int, cond_dim: int, eps: float = 1e-6) -> None:
         super().__init__()
@@ -77,20 +82,6 @@ class AdaRMSNorm(nn.Module):
         """(..., 3, dim) float32: ``1 + scale``, ``shift`` and ``gate`` for conditions (..., cond_dim)."""
         scale, shift, gate = self.dense(cond).float().chunk(3, dim=-1)
         return torch.stack([1.0 + scale, shift, gate], dim=-2)
-
-
-def modulated_norm(x: torch.Tensor, mod: torch.Tensor, eps: float) -> torch.Tensor:
-    """``norm(x) * mod[0] + mod[1]`` in float32, rounded once to x's dtype; ``mod`` (N, 3, E) or
-    (3, E) from :meth:`AdaRMSNorm.modulation` (LeRobot's ``PiGemmaRMSNorm`` with a condition)."""
-    xf = x.float()
-    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    scale, shift = (mod[:, None, 0], mod[:, None, 1]) if mod.dim() == 3 else (mod[0], mod[1])
-    return (y * scale + shift).to(x.dtype)
-
-
-def gated(mod: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The residual gate of a modulation (N, 3, E) or (3, E), broadcastable over (N, T, E)."""
-    return (mod[:, None, 2] if mod.dim() == 3 else mod[2]).to(dtype)
 
 
 class Folded:
@@ -213,12 +204,12 @@ class DecoderLayer(nn.Module):
             if mod is None:
                 raise ValueError("an adaptive (time-conditioned) layer needs its modulation `mod`")
             m1, m2 = mod.unbind(-3)
-            qkv = linear(modulated_norm(x, m1, n1.eps), self.qkv_weight())
-            q, k, v = qkv_rope(qkv, pos0, inv_freq, self.heads, self.kv_heads, kv_out)
+            _, y = add_ada_rms_norm(x, None, None, m1, n1.eps)
+            q, k, v = qkv_rope(linear(y, self.qkv_weight()), pos0, inv_freq, self.heads, self.kv_heads, kv_out)
             a = linear(attention_long.attention(q, k, v, own_mask, context).reshape(n, t, -1), self.o.weight)
-            x = x + a * gated(m1, x.dtype)
-            h = linear(gelu_mul(linear(modulated_norm(x, m2, n2.eps), self.gate_up.weight)), self.down.weight)
-            return x + h * gated(m2, x.dtype), k, v
+            x, y = add_ada_rms_norm(x, a, m1.select(-2, 2), m2, n2.eps)
+            h = linear(linear_geglu(y, self.gate_up.weight), self.down.weight)
+            return gated_add(x, h, m2.select(-2, 2)), k, v
         q, k, v = rms_norm_qkv_rope(
             x, n1.scale(), n1.eps, self.qkv_weight(), pos0, inv_freq, self.heads, self.kv_heads, kv_out
         )

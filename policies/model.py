@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from flashrt.kernels import (
+    add_ada_rms_norm,
     euler_step,
     expert_layer,
     linear,
@@ -52,7 +53,6 @@ from flashrt.policies.layers import (
     euler_times,
     layer_norm,
     layer_segments,
-    modulated_norm,
     normalize,
     sincos,
     sincos_2d,
@@ -334,7 +334,7 @@ class FlowPolicy(nn.Module):
             h = a
             for i, layer in enumerate(self.expert):
                 h, _, _ = layer(h, pos0, self.inv_freq, layer_segments(prefix, i), mod=mods[:, i])
-            return self.action_out(modulated_norm(h, final, self.expert_norm.eps)).float()
+            return self.action_out(add_ada_rms_norm(h, None, None, final, self.expert_norm.eps)[1]).float()
         te = te[:, None].expand(-1, a.shape[1], -1)
         h = self.time_out(F.silu(self.time_in(torch.cat([a, te], dim=-1))))
         h = self._expert_layers(h, prefix, pos0)
@@ -365,14 +365,14 @@ class FlowPolicy(nn.Module):
     def _fold_adarms(self) -> tuple[torch.Tensor, ...]:
         """pi0.5's per-step constants: the flow time is the same for every slot at step s, so each
         adaptive norm's modulation is a constant of (weights, s). Returns the layers' modulations
-        (steps, S, 2, 3, E), the final norm's scale (steps, E) and, with its shift folded into the
+        (steps, S, 2, 3, E), the final norm's scale (steps, E) in the model's dtype and, with its shift folded into the
         output projection (times -1/steps), w_out (A, E) and per-step b_out (steps, A)."""
         c = self.cfg
         te = sincos(euler_times(c.steps, c.time_dtype, self.time_in.weight.device), c.expert_width)
         mods, final = self._modulations(self._time_cond(te.to(self.dtype)))
         scale = -1.0 / c.steps
         w_out, b_out = self.action_out.weight.float() * scale, self.action_out.bias.float() * scale
-        return mods, final[:, 0], w_out, b_out + final[:, 1] @ w_out.T
+        return mods, final[:, 0].to(self.dtype), w_out, b_out + final[:, 1] @ w_out.T
 
     @torch.no_grad()
     def sample(self, noise: torch.Tensor, prefix: Prefix, frame: torch.Tensor) -> torch.Tensor:
@@ -391,7 +391,7 @@ class FlowPolicy(nn.Module):
                 h = linear(x.to(self.dtype), self.action_in.weight, self.action_in.bias)
                 for i, layer in enumerate(self.expert):
                     h, _, _ = layer(h, pos0, self.inv_freq, layer_segments(prefix, i), mod=mods[s, i])
-                x = euler_step(x, h, norm_w[s].to(self.dtype), w_out, b_out[s], eps)
+                x = euler_step(x, h, norm_w[s], w_out, b_out[s], eps)
         else:
             wx, bias, w_out, b_out = self._flow.get()
             for s in range(self.cfg.steps):

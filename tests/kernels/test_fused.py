@@ -8,17 +8,22 @@ allocator blocks poisoned with NaN; outputs written into given views are pre-fil
 import pytest
 import torch
 
+import flashrt.kernels.norm as kn
 from flashrt.kernels.activation import gelu_mul_reference, gelu_mul_triton
 from flashrt.kernels.backend import sm_count
 from flashrt.kernels.flow import euler_step_reference, euler_step_triton, time_embed_reference, time_embed_triton
 from flashrt.kernels.grouped_attention import attention, attention_reference, attention_triton
 from flashrt.kernels.norm import (
+    add_ada_rms_norm,
+    add_ada_rms_norm_reference,
     add_layer_norm,
     add_layer_norm_reference,
     add_layer_norm_triton,
     add_rms_norm,
     add_rms_norm_reference,
     add_rms_norm_triton,
+    gated_add,
+    gated_add_reference,
 )
 from flashrt.kernels.norm_linear import (
     rms_norm_geglu,
@@ -53,6 +58,49 @@ def test_add_rms_norm_and_add_layer_norm(device, rows, width):
             h_ref, y_ref = add_layer_norm_reference(x, d, w, b, 1e-5)
             assert torch.equal(h, h_ref)
             close(y, y_ref, dtype)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("per_slot", [False, True])
+def test_adaptive_norm_and_gated_add_match_pi05s_reference(device, per_slot, monkeypatch):
+    """pi0.5's gated residual add and adaptive RMSNorm (scale and shift from a modulation, one
+    for every slot or one per slot) against the reference, the sums exactly. The same
+    comparisons fail against the ungated add, and against each slot's neighbour's modulation."""
+    if device == "cpu":
+        monkeypatch.setattr(kn, "use_triton", lambda *tensors: True)
+    launches = spy_launches(monkeypatch, kn, "_add_norm_kernel")
+    n, t, w = 3, 50, 1024
+    g = torch.Generator(device=device).manual_seed(w + per_slot)
+    mods = (n, 3, w) if per_slot else (3, w)
+    for dtype in dtypes(device):
+        x = (1 + torch.randn(n, t, w, device=device, generator=g)).to(dtype)
+        delta = torch.randn(n, t, w, device=device, generator=g).to(dtype)
+        m1, m2 = (1 + 0.5 * torch.randn(*mods, device=device, generator=g) for _ in range(2))
+        gate = m1.select(-2, 2)
+        poison_allocator(device)
+        h, y = add_ada_rms_norm(x, delta, gate, m2, 1e-6)
+        h_ref, y_ref = add_ada_rms_norm_reference(x, delta, gate, m2, 1e-6)
+        assert torch.equal(h, h_ref)  # the gated delta and the sum rounded as torch rounds them
+        close(y, y_ref, dtype)
+        _, y0 = add_ada_rms_norm(x, None, None, m1, 1e-6)
+        close(y0, add_ada_rms_norm_reference(x, None, None, m1, 1e-6)[1], dtype)
+        assert torch.equal(gated_add(x, delta, gate), gated_add_reference(x, delta, gate))
+        with pytest.raises(AssertionError):  # mutation: the delta added without its gate
+            close(h, x + delta, dtype)
+        if per_slot:  # mutation: every slot normalised with the next slot's modulation
+            with pytest.raises(AssertionError):
+                close(y, add_ada_rms_norm_reference(x, delta, gate, m2.roll(1, 0), 1e-6)[1], dtype)
+    assert len(launches) == 3 * len(dtypes(device))
+
+
+def test_adaptive_norm_names_a_modulation_of_the_wrong_shape():
+    x = torch.zeros(2, 5, 8)
+    with pytest.raises(ValueError, match=r"modulation must be float32 \(3, 8\), or \(2, 3, 8\) one per slot"):
+        add_ada_rms_norm(x, None, None, torch.zeros(2, 8))
+    with pytest.raises(ValueError, match=r"gate must be float32 \(8,\)"):
+        gated_add(x, x, torch.zeros(8, dtype=torch.float64))
+    with pytest.raises(ValueError, match="come with its gate"):
+        add_ada_rms_norm(x, x, None, torch.zeros(3, 8))
 
 
 def test_norm_residuals_must_match_x_or_its_trailing_dims():

@@ -5,8 +5,8 @@ import torch
 import torch.nn.functional as F
 
 import flashrt.kernels.matmul as kl
-from flashrt.kernels import add_layer_norm, add_matmul, linear, linear_gelu, reference_only
-from flashrt.kernels.matmul import add_matmul_reference, linear_gelu_reference
+from flashrt.kernels import add_layer_norm, add_matmul, linear, linear_geglu, linear_gelu, reference_only
+from flashrt.kernels.matmul import add_matmul_reference, linear_geglu_reference, linear_gelu_reference
 from tests.kernels.kernel_devices import DEVICES, close, dtypes, poison_allocator, spy_launches
 
 
@@ -94,6 +94,31 @@ def test_wide_inputs_over_few_rows_sweep_k_in_blocks(device, rows, k, n, triton_
     a, w, _ = inputs(device, dtypes(device)[0], g, (kl.LOOP_ROWS + 1,), k, n)
     close(linear(a, w), F.linear(a, w), dtypes(device)[0])
     assert not launches
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(("rows", "k", "m"), [(50, 1024, 96), (3, 1032, 40)])
+def test_linear_geglu_over_few_rows_is_one_blocked_kernel(device, rows, k, m, triton_on_cpu, monkeypatch):
+    """The gated MLP's input half (pi0's expert: 50 rows; a ragged k) in the blocked kernel's
+    epilogue matches linear then gelu_mul; the same comparison against the halves swapped (the
+    GELU of the up rows) fails, and one row more than LOOP_ROWS takes the chain."""
+    launches = spy_launches(monkeypatch, kl, "_linear_loop_kernel")
+    g = torch.Generator(device=device).manual_seed(k + m)
+    for dtype in dtypes(device):
+        a, w, _ = inputs(device, dtype, g, (rows,), k, 2 * m)
+        poison_allocator(device)
+        got = linear_geglu(a, w)
+        assert got.shape == (rows, m) and got.dtype == dtype
+        close(got, linear_geglu_reference(a.float(), w.float()), dtype)
+        with pytest.raises(AssertionError):
+            close(got, linear_geglu_reference(a.float(), w.float().roll(m, 0)), dtype)
+    assert len(launches) == len(dtypes(device))
+    launches.clear()
+    a, w, _ = inputs(device, dtypes(device)[0], g, (kl.LOOP_ROWS + 1,), k, 2 * m)
+    close(linear_geglu(a, w), linear_geglu_reference(a.float(), w.float()), dtypes(device)[0])
+    assert not launches
+    with pytest.raises(ValueError, match="even row count"):
+        linear_geglu(a, w[1:])
 
 
 @pytest.mark.parametrize("device", DEVICES)
