@@ -62,6 +62,16 @@ if triton is not None:
     from flashrt.kernels.backend import inputs_ready
 
     @triton.jit
+    def _rounded(v, dtype: tl.constexpr):
+        """float32 ``v`` rounded to ``dtype`` (nearest, ties to even), as float32. For bfloat16 the
+        rounding is taken on the bits: a conversion pair the compiler could fold would let a
+        product and the add after it fuse into one rounding, where torch rounds twice."""
+        if dtype == tl.bfloat16:
+            u = v.to(tl.uint32, bitcast=True)
+            return ((u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+        return v.to(dtype).to(tl.float32)
+
+    @triton.jit
     def _add_norm_kernel(
         x, delta, gate, weight, bias, h_out, y_out, rows, delta_rows, slot_rows, width, eps, s_w, s_b, s_wn, s_gn,
         HAS_DELTA: tl.constexpr, GATED: tl.constexpr, NORM: tl.constexpr, LAYER: tl.constexpr,
@@ -80,8 +90,8 @@ if triton is not None:
         if HAS_DELTA:  # delta's rows repeat every delta_rows rows of x (a broadcast over leading dims)
             d = tl.load(delta + (row % delta_rows)[:, None] * width + cols[None, :], mask=m, other=0.0)
             if GATED:  # the gate rounded to x's dtype, then the product, as the reference rounds
-                g = tl.load(gate + slot * s_gn + cols[None, :], mask=m, other=0.0).to(h.dtype).to(tl.float32)
-                d = (d.to(tl.float32) * g).to(h.dtype)
+                g = _rounded(tl.load(gate + slot * s_gn + cols[None, :], mask=m, other=0.0), h.dtype)
+                d = _rounded(d.to(tl.float32) * g, h.dtype)
             h = (h.to(tl.float32) + d.to(tl.float32)).to(h.dtype)
             tl.store(h_out + off, h, mask=m)
         if NORM:

@@ -6,8 +6,8 @@ layers. :func:`flashrt.kernels.attention` is built for few query rows (the exper
 at head dim 256 it tiles 32 x 32 and reached ~60 TFLOP/s there. This kernel is the FlashAttention-2
 schedule for that shape: the ``h / g`` query heads sharing a key/value head are one sequence of
 ``(h / g) x T`` query rows (each key block is read once for all of them), a program holds a
-64-row block of queries with its float32 accumulator and sweeps 64-key blocks through one online
-softmax, and the key mask (``(N, T)``, language padding) is applied per block. Products run on
+64- or 128-row block of queries with its float32 accumulator and sweeps 64-key blocks through
+one online softmax, and the key mask (``(N, T)``, language padding) is applied per block. Products run on
 tensor cores in the inputs' dtype with float32 accumulation (full float32 for float32 inputs);
 the probabilities are rounded to the value dtype before ``P @ V``, as flash kernels do. Rows with
 every key masked out return zeros, like :func:`flashrt.kernels.attention`. Deterministic: one
@@ -26,10 +26,10 @@ from collections.abc import Sequence
 import torch
 
 from flashrt.kernels import attention as few_row_attention
-from flashrt.kernels.backend import tl, triton, use_triton
+from flashrt.kernels.backend import sm_count, tl, triton, use_triton
 from flashrt.kernels.grouped_attention import Segment
 
-VERSION = 1
+VERSION = 2
 """Bumped when this kernel's numerics or routing change: deployment digests name it (a capsule
 made with another version is refused, as with ``flashrt.kernels.__version__``)."""
 
@@ -112,10 +112,14 @@ if triton is not None:
         tl.store(op, o.to(out.dtype.element_ty), mask=live[:, None])
 
 
-def _tiles(d: int, itemsize: int) -> tuple[int, int, int, int]:
-    """Launch shape ``(BM, BN, num_warps, num_stages)``: 64 x 64 tiles in 16-bit dtypes; float32
-    tiles shrink so the query block and two stages of key and value blocks stay within ~100 KB of
-    shared memory (an H100 block has 227 KB)."""
+def _tiles(d: int, itemsize: int, rows: int, sms: int) -> tuple[int, int, int, int]:
+    """Launch shape ``(BM, BN, num_warps, num_stages)`` for ``rows`` query rows (all heads'
+    blocks together) on ``sms`` SMs: 64 x 64 tiles in 16-bit dtypes, at head dim 256 as 128-row
+    blocks of 8 warps where those still fill every SM (pi0 from batch 8), else as 64-row blocks
+    of 4 warps (batch 1; docs/PERFORMANCE.md). float32 tiles shrink so the query block and two
+    stages of key and value blocks stay within ~100 KB of shared memory (an H100 block has 227 KB)."""
+    if itemsize <= 2 and d > 128:
+        return (128, 64, 8, 2) if triton.cdiv(rows, 128) >= sms else (64, 64, 4, 2)
     if itemsize <= 2 or d <= 64:
         return 64, 64, 8 if d > 64 else 4, 2
     return (64, 32, 8, 2) if d <= 128 else (32, 32, 8, 1)
@@ -138,7 +142,7 @@ def attention_triton(
     m8 = q if mask is None else mask.view(torch.uint8)  # any tensor stands in for an absent mask
     sm = (0, 0) if mask is None else m8.stride()
     group = h // g
-    block_m, block_n, warps, stages = _tiles(d, q.element_size())
+    block_m, block_n, warps, stages = _tiles(d, q.element_size(), n * h * tq, sm_count(q.device))
     grid = (triton.cdiv(group * tq, block_m), n * g)
     if n * tq:
         _flash_kernel[grid](

@@ -4,6 +4,7 @@ shapes; CPU: fp32 through Triton's interpreter at small ones)."""
 import pytest
 import torch
 
+from flashrt.kernels.backend import sm_count
 from flashrt.kernels.grouped_attention import attention_reference
 from flashrt.policies import attention_long
 from tests.kernels.kernel_devices import DEVICES, close, dtypes, poison_allocator
@@ -44,15 +45,21 @@ def test_flash_attention_matches_the_reference(device, n, h, g, t, d, context):
 
 
 @pytest.mark.cuda
-def test_pi0_block_b_takes_the_flash_kernel_and_matches():
-    """pi0's block B at one slot (768 image + 48 language tokens, 8 heads on one KV head of 256)
-    takes this kernel, bf16 within bf16 rounding of float32; the expert's 8 x 50 rows do not."""
-    q, k, v, mask, _ = inputs("cuda", torch.bfloat16, 1, 8, 1, 816, 256, 0)
+@pytest.mark.parametrize(("n", "block_m"), [(1, 64), (8, 128)])
+def test_pi0_block_b_takes_the_flash_kernel_and_matches(n, block_m):
+    """pi0's block B (768 image + 48 language tokens, 8 heads on one KV head of 256) takes this
+    kernel, bf16 within bf16 rounding of float32, in 64-row blocks at one slot and 128-row ones
+    at 8; the same comparison with the language padding unmasked fails. The expert's 8 x 50
+    rows do not take it."""
+    q, k, v, mask, _ = inputs("cuda", torch.bfloat16, n, 8, 1, 816, 256, 0)
     mask[:] = True
-    mask[0, 790:] = False  # language padding
+    for i in range(n):
+        mask[i, 700 + 10 * i :] = False  # language padding
     assert attention_long.fits(q, k, v, mask)
     assert not attention_long.fits(q[:, :, :50], k, v, mask)
+    assert attention_long._tiles(256, 2, n * 8 * 816, sm_count(q.device))[0] == block_m
     got = attention_long.attention(q, k, v, mask)
     want = reference(q, k, v, mask, [])
     assert (got.float() - want).norm() < 1e-2 * want.norm()
+    assert (got.float() - reference(q, k, v, None, [])).norm() > 5e-2 * want.norm()  # the mutation
     assert torch.equal(got, attention_long.attention(q, k, v, mask))  # deterministic
