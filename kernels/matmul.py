@@ -21,8 +21,7 @@ cuBLASLt's GELU epilogue round. More rows or wider inputs take cuBLAS, which is 
 
 The blocked kernel also takes a gated MLP's input half, :func:`linear_geglu`: a program sweeps
 matching gate and up rows and takes ``gelu_tanh(gate) * up`` in its epilogue, so the gate/up
-product is never written (one kernel where the expert ran two); and the RMSNorm before a
-projection, :func:`rms_norm_linear` (pi0's expert: one kernel where it ran two).
+product is never written (one kernel where the expert ran two).
 """
 
 from __future__ import annotations
@@ -32,7 +31,6 @@ import torch.nn.functional as F
 
 from flashrt.kernels.activation import gelu_mul, gelu_mul_reference
 from flashrt.kernels.backend import check_layout, dependent_launch, tl, triton, use_triton
-from flashrt.kernels.norm import add_rms_norm
 
 MAX_ROWS = 256
 MAX_K = 1024
@@ -109,15 +107,12 @@ if triton is not None:
 
     @triton.jit
     def _linear_loop_kernel(
-        a, weight, bias, out, rows, K, N, s_bias, norm_w, eps,
+        a, weight, bias, out, rows, K, N, s_bias,
         HAS_BIAS: tl.constexpr, ACCUMULATE: tl.constexpr, GELU: tl.constexpr, GEGLU: tl.constexpr,
-        NORM: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GDC: tl.constexpr,
-        PRECISION: tl.constexpr,
+        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GDC: tl.constexpr, PRECISION: tl.constexpr,
     ):  # fmt: skip
         # Program j: every row (at most BM) by weight rows j*BN.., k swept in BK blocks (pipelined).
         # GEGLU: output columns j*BN.. of N, from gate rows j*BN.. and up rows N + j*BN.. .
-        # NORM: the rows times norm_w go into the product, their sums of squares alongside; 1/rms
-        # scales the product after the sweep.
         cols = tl.program_id(0) * BN + tl.arange(0, BN)
         row = tl.arange(0, BM)
         live = row < rows
@@ -125,25 +120,16 @@ if triton is not None:
         inputs_ready(GDC)
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         up = tl.zeros((BM, BN), dtype=tl.float32)
-        squares = tl.zeros((BM,), dtype=tl.float32)
         w_rows = weight + cols[:, None].to(tl.int64) * K
         for k0 in range(0, K, BK):
             kin = (k0 + ks) < K
             x = tl.load(a + row[:, None] * K + (k0 + ks)[None, :], mask=live[:, None] & kin[None, :], other=0.0)
-            if NORM:
-                xf = x.to(tl.float32)
-                squares += tl.sum(xf * xf, axis=1)
-                x = (xf * tl.load(norm_w + k0 + ks, mask=kin, other=0.0).to(tl.float32)[None, :]).to(x.dtype)
             w_mask = (cols[:, None] < N) & kin[None, :]
             w = tl.load(w_rows + (k0 + ks)[None, :], mask=w_mask, other=0.0)
             acc += tl.dot(x, tl.trans(w), input_precision=PRECISION)
             if GEGLU:
                 wu = tl.load(w_rows + N.to(tl.int64) * K + (k0 + ks)[None, :], mask=w_mask, other=0.0)
                 up += tl.dot(x, tl.trans(wu), input_precision=PRECISION)
-        if NORM:
-            r = 1.0 / tl.sqrt(squares / K + eps)
-            acc *= r[:, None]
-            up *= r[:, None]
         if HAS_BIAS:
             acc += tl.load(bias + cols * s_bias, mask=cols < N, other=0.0).to(tl.float32)[None, :]
         if GEGLU:  # rounded as the chain kernels.linear -> kernels.gelu_mul rounds
@@ -164,11 +150,9 @@ def _launch(
     accumulate: bool = False,
     gelu: bool = False,
     geglu: bool = False,
-    norm: tuple[torch.Tensor, float] | None = None,
 ) -> None:
-    """Run ``a @ weight^T`` (+ bias, + out, GELU) into ``out``. In the blocked kernel only:
-    ``geglu``, ``gelu_tanh(gate) * up`` over the weight's two halves (``out`` has half its rows'
-    columns); ``norm``, ``(weight, eps)`` of an RMSNorm taken of ``a`` first."""
+    """Run ``a @ weight^T`` (+ bias, + out, GELU) into ``out``; ``geglu``: the blocked kernel's
+    ``gelu_tanh(gate) * up`` over the weight's two halves (``out`` has half its rows' columns)."""
     check_layout("kernels.matmul", "a", a, contiguous=True)
     check_layout("kernels.matmul", "weight", weight, contiguous=True)
     check_layout("kernels.matmul", "out", out, contiguous=True)
@@ -181,17 +165,16 @@ def _launch(
         HAS_BIAS=bias is not None, ACCUMULATE=accumulate, GELU=gelu,
         PRECISION="ieee" if a.dtype == torch.float32 else "tf32", num_warps=4,
     )  # fmt: skip
-    if geglu or norm is not None or not _whole_rows(rows, k, n):  # blocked k: every row in one program
+    if geglu or not _whole_rows(rows, k, n):  # blocked k: every row in one program
         bn, bk = loop_tiles(n, a.element_size())
         if geglu:  # half the rows a program, from each half: the same weight bytes
             n, bn = n // 2, max(16, bn // 2)
             args = (*args[:6], n, *args[7:])
         grid = (triton.cdiv(n, bn),)
         bm = max(16, triton.next_power_of_2(rows))
-        norm_w, eps = (out, 0.0) if norm is None else norm
         _linear_loop_kernel[grid](
-            *args, norm_w, eps, GEGLU=geglu, NORM=norm is not None, BM=bm, BN=bn, BK=bk, num_stages=4,
-            **options, **dependent_launch(a.device, grid[0]),
+            *args, GEGLU=geglu, BM=bm, BN=bn, BK=bk, num_stages=4, **options,
+            **dependent_launch(a.device, grid[0]),
         )  # fmt: skip
         return
     bk = max(16, triton.next_power_of_2(k))
@@ -283,35 +266,6 @@ def linear_geglu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         _launch(x.contiguous(), weight, None, out, geglu=True)
         return out
     return gelu_mul(linear(x, weight))
-
-
-def rms_norm_linear(
-    x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor, *, geglu: bool = False
-) -> torch.Tensor:
-    """:func:`linear` of ``add_rms_norm(x, None, norm_weight, eps)[1]`` (with ``geglu``,
-    :func:`linear_geglu` of it): x ``(..., k)``, norm_weight ``(k,)``, weight ``(n, k)``.
-
-    Over few rows (pi0's expert, rows wider than ``kernels.norm_linear.FUSED_MAX_WIDTH``) one
-    blocked-``k`` sweep takes it: each row times the norm weight goes into the product and its
-    sum of squares is taken alongside, and 1/rms scales the product after the sweep (the norm is
-    linear in the row). So ``x * norm_weight`` is what is rounded to the input dtype, where the
-    chain rounds the normalised row; the two agree to that rounding. Elsewhere the chain runs."""
-    _check("rms_norm_linear", x, weight)
-    if norm_weight.shape != x.shape[-1:]:
-        raise ValueError(
-            f"rms_norm_linear: the norm weight must be ({x.shape[-1]},) for rows of width {x.shape[-1]}, "
-            f"got {tuple(norm_weight.shape)}"
-        )
-    if geglu and weight.shape[0] % 2:
-        raise ValueError(
-            f"rms_norm_linear: the weight needs an even row count (gate and up halves), got {weight.shape[0]}"
-        )
-    if _fits(x, weight, norm_weight, blocked=True) and norm_weight.is_contiguous():
-        out = x.new_empty((*x.shape[:-1], weight.shape[0] // (2 if geglu else 1)))
-        _launch(x.contiguous(), weight, None, out, geglu=geglu, norm=(norm_weight, eps))
-        return out
-    y = add_rms_norm(x, None, norm_weight, eps)[1]
-    return linear_geglu(y, weight) if geglu else linear(y, weight)
 
 
 def add_matmul(x: torch.Tensor, a: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -64,8 +64,7 @@ if triton is not None:
     @triton.jit
     def _rounded(v, dtype: tl.constexpr):
         """float32 ``v`` rounded to ``dtype`` (nearest, ties to even), as float32. For bfloat16 the
-        rounding is taken on the bits: a conversion pair the compiler could fold would let a
-        product and the add after it fuse into one rounding, where torch rounds twice."""
+        rounding is taken on the bits, where the compiler cannot fold the conversion pair away."""
         if dtype == tl.bfloat16:
             u = v.to(tl.uint32, bitcast=True)
             return ((u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
@@ -160,6 +159,7 @@ def _add_norm_triton(
             ROWS=per_program,
             BLOCK=block,
             num_warps=4 if block <= 2048 else 8,
+            enable_fp_fusion=gate is None,  # no fused multiply-add: torch rounds the gated product, then the sum
             **dependent_launch(x.device, programs),
         )
     return h, y

@@ -15,9 +15,9 @@ element ``i`` with ``i + d/2``) or matching gate and up columns. Neither the nor
 projection's output is written to memory. Rounding follows the unfused chain: the normed row as
 :func:`flashrt.kernels.add_rms_norm` rounds it, the product rounded to the input dtype before the
 rotation or the GELU; only the order of the matmul's sums differs (as between any two GEMMs).
-Wider rows (``pi0``) over few rows take the blocked-k Triton matmul with the norm and the GeGLU
-folded in (:func:`flashrt.kernels.matmul.rms_norm_linear`: at pi0's expert, 50 rows); calls over
-many rows take the unfused chain, whose matmul is cuBLAS.
+Wider rows (``pi0``) and calls over many rows take the unfused chain, whose matmul is
+:func:`flashrt.kernels.linear` (cuBLAS over many rows; at pi0's expert, 50 rows, the blocked-k
+Triton kernel, which also takes the GeGLU: :func:`flashrt.kernels.linear_geglu`).
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ import torch.nn.functional as F
 
 from flashrt.kernels.activation import gelu_mul_reference
 from flashrt.kernels.backend import check_layout, dependent_launch, tl, triton, use_triton
-from flashrt.kernels.matmul import rms_norm_linear
-from flashrt.kernels.norm import add_rms_norm_reference
+from flashrt.kernels.matmul import linear, linear_geglu
+from flashrt.kernels.norm import add_rms_norm, add_rms_norm_reference
 from flashrt.kernels.rotary import check_frequencies, check_positions, kv_destination, qkv_rope, qkv_rope_reference
 
 FUSED_MAX_WIDTH = 256
@@ -233,7 +233,7 @@ def rms_norm_geglu(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weigh
         )
     if _fits(GEGLU_MAX_ROWS, x, weight, norm_weight):
         return rms_norm_geglu_triton(x, norm_weight, eps, weight)
-    return rms_norm_linear(x, norm_weight, eps, weight, geglu=True)
+    return linear_geglu(add_rms_norm(x, None, norm_weight, eps)[1], weight)
 
 
 def rms_norm_qkv_rope(
@@ -265,4 +265,5 @@ def rms_norm_qkv_rope(
     fused_layout = d >= 32 and not d & (d - 1) and (kv_out is None or kv_out.stride(-1) == 1)
     if fused_layout and _fits(QKV_ROPE_MAX_ROWS, x, weight, norm_weight, pos0, inv_freq, *outs):
         return rms_norm_qkv_rope_triton(x, norm_weight, eps, weight, pos0, inv_freq, heads, kv_heads, kv_out)
-    return qkv_rope(rms_norm_linear(x, norm_weight, eps, weight), pos0, inv_freq, heads, kv_heads, kv_out)
+    qkv = linear(add_rms_norm(x, None, norm_weight, eps)[1], weight)
+    return qkv_rope(qkv, pos0, inv_freq, heads, kv_heads, kv_out)

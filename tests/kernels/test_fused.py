@@ -409,8 +409,11 @@ def test_the_merge_of_a_wide_head_tiles_its_dims_over_programs(device, monkeypat
     want = attention_reference(q, k, v, None, segments)
     merges = spy_launches(monkeypatch, ga, "_combine_kernel")
     poison_allocator(device)
-    close(attention_triton(q, k, v, None, segments), want, torch.float32)
+    got = attention_triton(q, k, v, None, segments)
+    close(got, want, torch.float32)
     assert merges and all(grid[2] == 256 // ga.COMBINE_DIMS for grid in merges)
+    got.fill_(float("nan"))  # the block the next call's output likely reuses: no correct values left in it
+    del got
 
     merge = ga._combine_kernel
 

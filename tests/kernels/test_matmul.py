@@ -6,8 +6,7 @@ import torch.nn.functional as F
 
 import flashrt.kernels.matmul as kl
 from flashrt.kernels import add_layer_norm, add_matmul, linear, linear_geglu, linear_gelu, reference_only
-from flashrt.kernels.matmul import add_matmul_reference, linear_geglu_reference, linear_gelu_reference, rms_norm_linear
-from flashrt.kernels.norm import add_rms_norm_reference
+from flashrt.kernels.matmul import add_matmul_reference, linear_geglu_reference, linear_gelu_reference
 from tests.kernels.kernel_devices import DEVICES, close, dtypes, poison_allocator, spy_launches
 
 
@@ -120,41 +119,6 @@ def test_linear_geglu_over_few_rows_is_one_blocked_kernel(device, rows, k, m, tr
     assert not launches
     with pytest.raises(ValueError, match="even row count"):
         linear_geglu(a, w[1:])
-
-
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize(
-    ("rows", "k", "n", "geglu"), [(50, 1024, 160, False), (50, 1024, 192, True), (3, 1032, 40, True)]
-)
-def test_rms_norm_linear_takes_the_norm_in_the_blocked_sweep(device, rows, k, n, geglu, triton_on_cpu, monkeypatch):
-    """RMSNorm then a projection (pi0's expert q/k/v; its gate/up with the GeGLU; a ragged k) in
-    one blocked sweep matches the chain rms_norm -> linear (-> gelu_mul); the same comparison
-    against the chain without the norm's weight, or without its 1/rms, fails. One row more than
-    LOOP_ROWS takes the chain itself."""
-    launches = spy_launches(monkeypatch, kl, "_linear_loop_kernel")
-    g = torch.Generator(device=device).manual_seed(k + n)
-    chain = linear_geglu_reference if geglu else F.linear
-
-    def want(a, nw, w):
-        return chain(add_rms_norm_reference(a.float(), None, nw.float(), 1e-6)[1], w.float())
-
-    for dtype in dtypes(device):
-        a, w, _ = inputs(device, dtype, g, (rows,), k, n)
-        a = 3 * a + 1  # rows far from unit rms, so a dropped 1/rms shows
-        nw = (1 + 0.5 * torch.randn(k, device=device, generator=g)).to(dtype)
-        poison_allocator(device)
-        got = rms_norm_linear(a, nw, 1e-6, w, geglu=geglu)
-        assert got.shape == (rows, n // 2 if geglu else n) and got.dtype == dtype
-        close(got, want(a, nw, w), dtype)
-        with pytest.raises(AssertionError):  # mutation: the norm's weight left out
-            close(got, want(a, torch.ones_like(nw), w), dtype)
-        with pytest.raises(AssertionError):  # mutation: the rows not normalised
-            close(got, chain((a.float() * nw.float()).to(dtype).float(), w.float()), dtype)
-    assert len(launches) == len(dtypes(device))
-    launches.clear()
-    a, w, _ = inputs(device, dtypes(device)[0], g, (kl.LOOP_ROWS + 1,), k, n)
-    close(rms_norm_linear(a, nw.to(a.dtype), 1e-6, w, geglu=geglu), want(a, nw, w), dtypes(device)[0])
-    assert not launches
 
 
 @pytest.mark.parametrize("device", DEVICES)
