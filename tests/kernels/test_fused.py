@@ -64,8 +64,9 @@ def test_add_rms_norm_and_add_layer_norm(device, rows, width):
 @pytest.mark.parametrize("per_slot", [False, True])
 def test_adaptive_norm_and_gated_add_match_pi05s_reference(device, per_slot, monkeypatch):
     """pi0.5's gated residual add and adaptive RMSNorm (scale and shift from a modulation, one
-    for every slot or one per slot) against the reference, the sums exactly. The same
-    comparisons fail against the ungated add, and against each slot's neighbour's modulation."""
+    for every slot or one per slot; a gate read at its stride) against the reference, the sums
+    exactly. The same comparisons fail against the ungated add, and against each slot's
+    neighbour's modulation."""
     if device == "cpu":
         monkeypatch.setattr(kn, "use_triton", lambda *tensors: True)
     launches = spy_launches(monkeypatch, kn, "_add_norm_kernel")
@@ -85,12 +86,14 @@ def test_adaptive_norm_and_gated_add_match_pi05s_reference(device, per_slot, mon
         _, y0 = add_ada_rms_norm(x, None, None, m1, 1e-6)
         close(y0, add_ada_rms_norm_reference(x, None, None, m1, 1e-6)[1], dtype)
         assert torch.equal(gated_add(x, delta, gate), gated_add_reference(x, delta, gate))
+        strided = torch.stack([gate, torch.full_like(gate, 7.0)], -1)[..., 0]  # the gate every other float
+        assert torch.equal(gated_add(x, delta, strided), gated_add_reference(x, delta, gate))
         with pytest.raises(AssertionError):  # mutation: the delta added without its gate
             close(h, x + delta, dtype)
         if per_slot:  # mutation: every slot normalised with the next slot's modulation
             with pytest.raises(AssertionError):
                 close(y, add_ada_rms_norm_reference(x, delta, gate, m2.roll(1, 0), 1e-6)[1], dtype)
-    assert len(launches) == 3 * len(dtypes(device))
+    assert len(launches) == 4 * len(dtypes(device))
 
 
 def test_adaptive_norm_names_a_modulation_of_the_wrong_shape():
