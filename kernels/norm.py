@@ -72,12 +72,12 @@ if triton is not None:
 
     @triton.jit
     def _add_norm_kernel(
-        x, delta, gate, weight, bias, h_out, y_out, rows, delta_rows, slot_rows, width, eps, s_w, s_b, s_wn, s_g, s_gn,
+        x, delta, gate, weight, bias, h_out, y_out, rows, delta_rows, slot_rows, width, eps, s_w, s_b, s_wn, s_gn,
         HAS_DELTA: tl.constexpr, GATED: tl.constexpr, NORM: tl.constexpr, LAYER: tl.constexpr,
-        SHIFT: tl.constexpr, PER_SLOT: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, GDC: tl.constexpr,
+        SHIFT: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, GDC: tl.constexpr,
     ):  # fmt: skip
-        # Row r belongs to slot r // slot_rows: the gate's row of it (stride s_gn, 0 where every
-        # slot shares one) and, PER_SLOT, the modulated weight's and shift's (stride s_wn).
+        # Row r belongs to slot r // slot_rows: the gate's and the (modulated) weight's row of it
+        # (strides s_gn, s_wn; 0 where every slot shares one).
         inputs_ready(GDC)
         row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
         slot = (row // slot_rows)[:, None]
@@ -89,16 +89,13 @@ if triton is not None:
         if HAS_DELTA:  # delta's rows repeat every delta_rows rows of x (a broadcast over leading dims)
             d = tl.load(delta + (row % delta_rows)[:, None] * width + cols[None, :], mask=m, other=0.0)
             if GATED:  # the gate rounded to x's dtype, then the product, as the reference rounds
-                g = _rounded(tl.load(gate + slot * s_gn + cols[None, :] * s_g, mask=m, other=0.0), h.dtype)
+                g = _rounded(tl.load(gate + slot * s_gn + cols[None, :], mask=m, other=0.0), h.dtype)
                 d = _rounded(d.to(tl.float32) * g, h.dtype)
             h = (h.to(tl.float32) + d.to(tl.float32)).to(h.dtype)
             tl.store(h_out + off, h, mask=m)
         if NORM:
             hf = h.to(tl.float32)
-            if PER_SLOT:
-                w = tl.load(weight + slot * s_wn + cols[None, :] * s_w, mask=m, other=0.0).to(tl.float32)
-            else:
-                w = tl.load(weight + cols * s_w, mask=cols < width, other=0.0).to(tl.float32)[None, :]
+            w = tl.load(weight + slot * s_wn + cols[None, :] * s_w, mask=m, other=0.0).to(tl.float32)
             if LAYER:
                 c = tl.where(inside, hf - (tl.sum(hf, axis=1) / width)[:, None], 0.0)
                 r = 1.0 / tl.sqrt(tl.sum(c * c, axis=1) / width + eps)
@@ -107,10 +104,7 @@ if triton is not None:
             else:
                 r = 1.0 / tl.sqrt(tl.sum(hf * hf, axis=1) / width + eps)
                 if SHIFT:  # adaptive: scale and shift in float32, one rounding
-                    if PER_SLOT:
-                        b = tl.load(bias + slot * s_wn + cols[None, :] * s_b, mask=m, other=0.0).to(tl.float32)
-                    else:
-                        b = tl.load(bias + cols * s_b, mask=cols < width, other=0.0).to(tl.float32)[None, :]
+                    b = tl.load(bias + slot * s_wn + cols[None, :] * s_b, mask=m, other=0.0).to(tl.float32)
                     y = hf * r[:, None] * w + b
                 else:  # Gemma-style: the normalised row rounded before the weight
                     y = (hf * r[:, None]).to(h.dtype).to(tl.float32) * w
@@ -131,11 +125,12 @@ def _add_norm_triton(
     (``layer``) or the adaptive shift; a 2-D ``weight``/``bias``/``gate`` has a row per slot of x."""
     width = x.shape[-1]
     x = x.contiguous()
+    if gate is not None and gate.stride(-1) != 1:  # the kernel steps through a gate row one float at a time
+        gate = gate.contiguous()
     h = x if delta is None else torch.empty_like(x)
     y = None if weight is None else torch.empty_like(x)
     rows = x.numel() // width if width else 0
-    per_slot = weight is not None and weight.dim() == 2
-    slots = (weight if per_slot else gate if gate is not None else x).shape[0]
+    slots = (weight if weight is not None and weight.dim() == 2 else gate if gate is not None else x).shape[0]
     if rows:
         block = triton.next_power_of_2(width)
         per_program = max(1, min(16, 2048 // block))  # short rows: several a program
@@ -156,15 +151,13 @@ def _add_norm_triton(
             eps,
             1 if weight is None else weight.stride(-1),
             1 if bias is None else bias.stride(-1),
-            weight.stride(0) if per_slot else 0,
-            1 if gate is None else gate.stride(-1),
+            weight.stride(0) if weight is not None and weight.dim() == 2 else 0,
             gate.stride(0) if gate is not None and gate.dim() == 2 else 0,
             HAS_DELTA=delta is not None,
             GATED=gate is not None,
             NORM=weight is not None,
             LAYER=layer,
             SHIFT=bias is not None and not layer,
-            PER_SLOT=per_slot,
             ROWS=per_program,
             BLOCK=block,
             num_warps=4 if block <= 2048 else 8,
