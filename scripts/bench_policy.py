@@ -138,7 +138,10 @@ def floors(model: FlowPolicy, n: int, step: Callable[[], None], rates: dict) -> 
     }
 
 
-def bench(preset: str, n: int, reps: int, do_compile: bool, rates: dict) -> dict:
+def bench(preset: str, n: int, reps: int, do_compile: bool, rates: dict, save: Callable[[dict], None]) -> dict:
+    """One row: eager, reference and kernels graphs, floors and, with ``do_compile``, torch.compile.
+    ``save`` gets the row before the compile (minutes at pi0's size), so a run stopped by a time
+    limit during it keeps the row's other figures."""
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = FlowPolicy(PRESETS[preset](TabletopConfig().vocabulary)).to(torch.bfloat16)
@@ -171,6 +174,7 @@ def bench(preset: str, n: int, reps: int, do_compile: bool, rates: dict) -> dict
     rec["launch_floor_ms"] = rec["kernels_nodes"] * rates["node_us"] / 1e3
     rec["top_kernels"] = top_kernels(step)
     if do_compile:
+        save(rec)
         with kernels.reference_only():
             fn = pure_step(model, p)
             t = time.perf_counter()
@@ -201,13 +205,19 @@ def main() -> None:
     print("rates", json.dumps(rates), flush=True)
     rows: list[dict] = []
     result = {**provenance(), "dtype": "bfloat16", "rates": rates, "rows": rows}
+
+    def save(partial: dict | None = None) -> None:
+        """Write the rows measured so far (and a row still being measured): a run stopped by a time
+        limit keeps them."""
+        out = {**result, "rows": rows + ([partial] if partial is not None else [])}
+        atomic_write(args.out, lambda f: f.write(json.dumps(out, indent=2).encode()))
+
     for preset, n in runs:
         reps = args.reps if preset == "tiny" else max(5, args.reps // 5)  # pi0-sized steps take ms
-        rows.append(bench(preset, n, reps, f"{preset}:{n}" in args.compile, rates))
+        rows.append(bench(preset, n, reps, f"{preset}:{n}" in args.compile, rates, save))
         torch.cuda.empty_cache()
         print(json.dumps(rows[-1]), flush=True)
-        # after every row: a run stopped by a time limit keeps the rows it measured
-        atomic_write(args.out, lambda f: f.write(json.dumps(result, indent=2).encode()))
+        save()
     print(f"\n{result['gpu']} | torch {result['torch']} | commit {result['commit']} | bf16 | median ms per step")
     print(
         f"rates: copy {rates['copy_GBps']:.0f} GB/s, bf16 {rates['bf16_TFLOPs']:.0f} TFLOP/s, "
