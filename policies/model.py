@@ -365,8 +365,9 @@ class FlowPolicy(nn.Module):
     def _fold_adarms(self) -> tuple[torch.Tensor, ...]:
         """pi0.5's per-step constants: the flow time is the same for every slot at step s, so each
         adaptive norm's modulation is a constant of (weights, s). Returns the layers' modulations
-        (steps, S, 2, 3, E), the final norm's scale (steps, E) in the model's dtype and, with its shift folded into the
-        output projection (times -1/steps), w_out (A, E) and per-step b_out (steps, A)."""
+        (steps, S, 2, 3, E), the final norm's scale (steps, E) in the model's dtype and, with its
+        shift folded into the output projection (times -1/steps), w_out (A, E) and per-step b_out
+        (steps, A)."""
         c = self.cfg
         te = sincos(euler_times(c.steps, c.time_dtype, self.time_in.weight.device), c.expert_width)
         mods, final = self._modulations(self._time_cond(te.to(self.dtype)))
