@@ -181,20 +181,22 @@ class FlowPolicy(nn.Module):
 
         ``text_first``: one segment, one flag per slot. ``images_first`` (``text_mask`` (N, L),
         the language padding): views of ``kv`` in the order attention reads fastest (keys carry
-        their positions, so the order is free): the language with its per-token mask first, then
-        the image tokens and the state token with one flag per slot, which the attention kernel
-        sweeps without loading a mask per key."""
+        their positions, so the order is free): the language and the state token after it (a
+        token of the same buffer) with a per-token mask first, then the image tokens with one
+        flag per slot, which the attention kernel sweeps without loading a mask per key. The
+        state token rides in the language's last key block: as a segment of its own it cost a
+        block of its own in every expert layer's attention."""
         c = self.cfg
         flag = valid[:, None]
         if c.text_block:
             return [(kv, flag.expand(-1, c.frame_tokens))]
         if text_mask is None:
             raise ValueError("with prefix_order='images_first' block B holds the language tokens: pass text_mask")
-        cp, end = c.image_tokens, c.image_tokens + c.max_text_len
-        segments = [(kv[..., cp:end, :], text_mask & flag), (kv[..., :cp, :], flag.expand(-1, cp))]
+        cp = c.image_tokens
+        mask = text_mask & flag
         if c.state_token != "text":
-            segments.append((kv[..., end:, :], flag))
-        return segments
+            mask = torch.cat([mask, flag], 1)
+        return [(kv[..., cp:, :], mask), (kv[..., :cp, :], flag.expand(-1, cp))]
 
     def _action_start(self, prefix: Prefix, frame: torch.Tensor) -> torch.Tensor:
         """(N,) position of the first action token: after the frame's slot (``text_first``), or

@@ -335,11 +335,12 @@ def test_attention_rows_with_no_valid_key_are_zero(device, context):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_attention_splits_the_keys_only_when_programs_are_few(device, monkeypatch):
-    """Three slots over 708 keys (three programs, twelve key blocks each) take the split launch
-    and its merge; one program per slot on more than half the SMs does not. Both match the
-    reference."""
+    """Three slots over 708 keys (three programs, twelve key blocks each) take the split launch,
+    merged by its last program; one program per slot on more than half the SMs does not split.
+    Both match the reference."""
     import flashrt.kernels.grouped_attention as ga
 
+    launches = spy_launches(monkeypatch, ga, "_attention_kernel")
     merges = spy_launches(monkeypatch, ga, "_combine_kernel")
     g = torch.Generator(device=device).manual_seed(11)
     for n, split in ((3, True), (sm_count(torch.device(device)) // 2 + 1, False)):
@@ -347,9 +348,11 @@ def test_attention_splits_the_keys_only_when_programs_are_few(device, monkeypatc
             rnd = lambda *s, dt=dtype: torch.randn(*s, device=device, generator=g).to(dt)  # noqa: E731
             q, k, v = rnd(n, 4, 8, 64), rnd(n, 1, 8, 64), rnd(n, 1, 8, 64)
             segments = [(rnd(n, 1, 300, 64), rnd(n, 1, 300, 64), None), (rnd(n, 1, 400, 64), rnd(n, 1, 400, 64), None)]
-            merges.clear()
+            launches.clear()
             got = attention_triton(q, k, v, None, segments)
-            assert bool(merges) == split
+            (grid,) = launches
+            assert (grid[2] > 1) == split and launches.options[0]["MERGE"] == (grid[2] if split else 0)
+            assert not merges
             f = lambda x: x.float()  # noqa: E731
             want = attention_reference(f(q), f(k), f(v), None, [(f(a), f(b), None) for a, b, _ in segments])
             close(got, want, dtype)
@@ -357,10 +360,10 @@ def test_attention_splits_the_keys_only_when_programs_are_few(device, monkeypatc
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_a_wide_head_sweeps_each_source_on_blocks_of_its_own(device, monkeypatch):
-    """pi0's expert layout at head dim 256: language (per-token mask), images (a per-slot flag),
-    the state token (one key, a flag) and the own keys, each swept by a loop of its own from a
+    """pi0's expert layout at head dim 256: language and the state token after it (per-token
+    mask), images (a per-slot flag) and the own keys, each swept by a loop of its own from a
     block boundary. Matches the reference; mutation: the same comparison against attention
-    without the one-key state source (the block it alone fills) fails."""
+    without the state token (the language block's last key) fails."""
     import flashrt.kernels.grouped_attention as ga
 
     kernel, modes = ga._attention_kernel, []
@@ -383,24 +386,25 @@ def test_a_wide_head_sweeps_each_source_on_blocks_of_its_own(device, monkeypatch
         text = torch.rand(n, 48, device=device, generator=g) < 0.7
         flag = torch.tensor([[True], [True]], device=device)
         segments = [
-            (block[:, 0, :, 70:118], block[:, 1, :, 70:118], text),
+            (block[:, 0, :, 70:], block[:, 1, :, 70:], torch.cat([text, flag], 1)),
             (block[:, 0, :, :70], block[:, 1, :, :70], flag.expand(-1, 70)),
-            (block[:, 0, :, 118:], block[:, 1, :, 118:], flag),
         ]
         poison_allocator(device)
         got = attention_triton(q, k, v, None, segments)
         fq, fk, fv = q.float(), k.float(), v.float()
         full = [(a.float(), b.float(), m) for a, b, m in segments]
         close(got, attention_reference(fq, fk, fv, None, full), dtype)
+        without_state = [(a[:, :, :48], b[:, :, :48], m[:, :48]) for a, b, m in full[:1]] + full[1:]
         with pytest.raises(AssertionError):
-            close(got, attention_reference(fq, fk, fv, None, full[:2]), dtype)
+            close(got, attention_reference(fq, fk, fv, None, without_state), dtype)
     assert modes and all(modes)
 
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_the_merge_of_a_wide_head_tiles_its_dims_over_programs(device, monkeypatch):
-    """pi0's expert at one slot (head dim 256, keys split over programs): the merge runs as four
-    programs per row block, each on 64 of the dims, and matches the reference. Mutation: the
+    """pi0's expert at one slot (head dim 256, keys split over programs), merged by the merge
+    kernel (where no counters are at hand, e.g. a first call inside a capture): four programs a
+    row block, each on 64 of the dims, and matches the reference. Mutation: the
     same merge launched with one program per row block (every program on dims 0..63 alone)
     leaves the other dims unmerged, and the comparison fails."""
     import flashrt.kernels.grouped_attention as ga
@@ -410,6 +414,7 @@ def test_the_merge_of_a_wide_head_tiles_its_dims_over_programs(device, monkeypat
     q, k, v = rnd(1, 50, 8, 256).transpose(1, 2), rnd(1, 1, 50, 256), rnd(1, 1, 50, 256)
     segments = [(rnd(1, 1, tc, 256), rnd(1, 1, tc, 256), None) for tc in (48, 769)]
     want = attention_reference(q, k, v, None, segments)
+    monkeypatch.setattr(ga, "MERGE_IN_KERNEL", False)
     merges = spy_launches(monkeypatch, ga, "_combine_kernel")
     poison_allocator(device)
     got = attention_triton(q, k, v, None, segments)
@@ -428,6 +433,50 @@ def test_the_merge_of_a_wide_head_tiles_its_dims_over_programs(device, monkeypat
     poison_allocator(device)
     with pytest.raises(AssertionError):
         close(attention_triton(q, k, v, None, segments), want, torch.float32)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_last_split_program_merges_as_the_merge_kernel_does(device, monkeypatch):
+    """pi0's expert at one slot, keys split over programs: the launch whose last program merges
+    writes the merge kernel's bits, leaves its counters at zero, and a second call (on the counters
+    the first left) writes the same bits again. Mutation: the last-but-one program merging (one
+    split's state left out) fails the comparison with the reference."""
+    import flashrt.kernels.grouped_attention as ga
+    from flashrt.kernels.backend import tile_counters
+
+    kernel = ga._attention_kernel
+
+    class EarlyMerge:
+        def __getitem__(self, grid):
+            return lambda *args, **kw: kernel[grid](*args, **{**kw, "MERGE": kw["MERGE"] - 1})
+
+    g = torch.Generator(device=device).manual_seed(17)
+    for dtype in dtypes(device):
+        rnd = lambda *s, dt=dtype: torch.randn(*s, device=device, generator=g).to(dt)  # noqa: E731
+        q, k, v = rnd(1, 50, 8, 256).transpose(1, 2), rnd(1, 1, 50, 256), rnd(1, 1, 50, 256)
+        segments = [(rnd(1, 1, tc, 256), rnd(1, 1, tc, 256), None) for tc in (49, 768)]
+        f = lambda x: x.float()  # noqa: E731
+        want = attention_reference(f(q), f(k), f(v), None, [(f(a), f(b), None) for a, b, _ in segments])
+        monkeypatch.setattr(ga, "_attention_kernel", kernel)
+        launches = spy_launches(monkeypatch, ga, "_attention_kernel")
+        poison_allocator(device)
+        fused = attention_triton(q, k, v, None, segments)
+        assert launches.options[0]["MERGE"] > 1
+        counters = tile_counters(torch.device(device), 1)
+        assert not counters.any()
+        close(fused, want, dtype)
+        poison_allocator(device)
+        assert torch.equal(attention_triton(q, k, v, None, segments), fused)
+        monkeypatch.setattr(ga, "MERGE_IN_KERNEL", False)
+        poison_allocator(device)
+        assert torch.equal(attention_triton(q, k, v, None, segments), fused)
+        monkeypatch.setattr(ga, "MERGE_IN_KERNEL", True)
+        monkeypatch.setattr(ga, "_attention_kernel", EarlyMerge())
+        poison_allocator(device)
+        early = attention_triton(q, k, v, None, segments)
+        counters.zero_()  # the mutation leaves its counters off zero
+        with pytest.raises(AssertionError):
+            close(early, want, dtype)
 
 
 @pytest.mark.parametrize("device", DEVICES)
