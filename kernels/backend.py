@@ -118,29 +118,6 @@ def sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
 
 
-_COUNTERS = 4096
-_counters: dict[torch.device, torch.Tensor] = {}
-
-
-def tile_counters(device: torch.device, n: int) -> torch.Tensor | None:
-    """``n`` int32 counters on ``device``, all zero, for a kernel whose last program of a group
-    finishes the group's work (it counts arrivals with an atomic add and sets its counter back to
-    zero, so the counters are zero again whenever no kernel is running).
-
-    One buffer a device, made by the first call outside a graph capture (inside one, a zeroed
-    allocation would be a node of the graph, zero only once it replays): there, and for more than
-    the buffer holds, None, and the caller runs its unfused form. Kernels that take them must run
-    in stream order (one stream, or streams ordered by events): two running at once would count
-    into the same counters."""
-    if n > _COUNTERS:
-        return None
-    if device not in _counters:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        _counters[device] = torch.zeros(_COUNTERS, dtype=torch.int32, device=device)
-    return _counters[device]
-
-
 @functools.cache
 def grid_dependency(device: torch.device) -> bool:
     """Whether kernels on ``device`` can take part in programmatic dependent launch: a CUDA GPU

@@ -34,7 +34,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from flashrt.kernels.backend import dependent_launch, layout_problem, sm_count, tile_counters, tl, triton, use_triton
+from flashrt.kernels.backend import dependent_launch, layout_problem, sm_count, tl, triton, use_triton
 
 Segment = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
 """A context segment: keys and values ``(N, g, T, d)`` and a bool mask ``(N, T)`` (None: all
@@ -42,9 +42,6 @@ keys valid; any strides, e.g. an expanded per-slot flag)."""
 
 MAX_SEGMENTS = 3  # context segments one kernel launch reads in place; more are concatenated first
 COMBINE_DIMS = 64  # head dims one program of the split-merge kernel takes
-MERGE_IN_KERNEL = True
-"""Whether a split launch's last program merges the softmax states (else a second kernel does;
-both write the same bits)."""
 
 
 def _split_blocks(d: int) -> int:
@@ -188,9 +185,9 @@ if triton is not None:
         k1, v1, m1, e1, sk1_n, sk1_g, sk1_t, sv1_n, sv1_g, sv1_t, sm1_n, sm1_t,
         k2, v2, m2, e2, sk2_n, sk2_g, sk2_t, sv2_n, sv2_g, sv2_t, sm2_n, sm2_t,
         k3, v3, m3, e3, sk3_n, sk3_g, sk3_t, sv3_n, sv3_g, sv3_t, sm3_n, sm3_t, TK, TM, CHUNK,
-        n0, n1, n2, n3, counters,
+        n0, n1, n2, n3,
         SOURCES: tl.constexpr, TOKENS: tl.constexpr, FLAGS: tl.constexpr, ALIGNED: tl.constexpr,
-        TWO_LOOPS: tl.constexpr, PER_SOURCE: tl.constexpr, SPLIT: tl.constexpr, MERGE: tl.constexpr,
+        TWO_LOOPS: tl.constexpr, PER_SOURCE: tl.constexpr, SPLIT: tl.constexpr,
         BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, GDC: tl.constexpr, PRECISION: tl.constexpr,
     ):  # fmt: skip
         # Sources 0 .. SOURCES-1 (context segments, then the own block) form one sequence of TK
@@ -199,9 +196,7 @@ if triton is not None:
         # PER_SOURCE, each source (n_i keys) starts on a block of its own, at key e_i of a
         # sequence of TK padded keys, and is swept by a loop of its own.
         # Program (i, j, s) takes keys s*CHUNK .. (s+1)*CHUNK; with SPLIT its softmax state
-        # (acc, max, sum) goes to ``part``, else the output to ``out``. With MERGE (SPLIT
-        # programs a row block) the last of a row block's programs to finish merges the states
-        # (``counters`` counts them in), else _combine_kernel does.
+        # (acc, max, sum) goes to ``part`` for _combine_kernel, else the output to ``out``.
         inputs_ready(GDC)  # every input is an earlier kernel's output
         pid_nk = tl.program_id(1)
         n = (pid_nk // (H // G)).to(tl.int64)  # G = h / g query heads per key/value head
@@ -268,43 +263,10 @@ if triton is not None:
             tl.store(at[:, None] + dims[None, :], acc)
             tl.store(at + D, m_i)
             tl.store(at + D + 1, l_i)
-            if MERGE:  # MERGE is the split count: the last program in merges
-                tl.debug_barrier()  # every thread's stores before the release below
-                block = counters + pid_nk * tl.num_programs(0) + tl.program_id(0)
-                if tl.atomic_add(block, 1, sem="acq_rel") == MERGE - 1:
-                    tl.store(block, 0)  # zero again for the next launch (stream-ordered after this one)
-                    _merge(part, out, pid_nk, tl.program_id(0), TQ, H, G, MERGE, BM, D, dims)
         else:
             o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
             dst = out + ((n * TQ + t[:, None]) * H + head[:, None]) * D + dims[None, :]
             tl.store(dst, o.to(out.dtype.element_ty), mask=live[:, None])
-
-    @triton.jit
-    def _merge(part, out, pid_nk, pid_m, TQ, H, G, SPLITS: tl.constexpr, BM: tl.constexpr, D: tl.constexpr, dims):
-        """Merge the SPLITS softmax states in ``part`` of row block ``pid_m`` of slot and key/value
-        head ``pid_nk``, on head dims ``dims``, into ``out``. Loads skip L1: the states are other
-        programs' stores of this launch."""
-        n = (pid_nk // (H // G)).to(tl.int64)
-        rows = pid_m * BM + tl.arange(0, BM)
-        live = rows < G * TQ
-        head = (pid_nk % (H // G)) * G + rows // TQ
-        t = rows % TQ
-        acc = tl.zeros((BM, dims.shape[0]), dtype=tl.float32)
-        m_i = tl.full((BM,), float("-inf"), tl.float32)
-        l_i = tl.zeros((BM,), dtype=tl.float32)
-        blocks = tl.num_programs(0)
-        for s in tl.static_range(SPLITS):  # unrolled: every split's loads in flight at once
-            at = part + ((s * tl.num_programs(1) + pid_nk) * blocks * BM + rows) * (D + 2)
-            m_s = tl.load(at + D, cache_modifier=".cg")
-            m_new = tl.maximum(m_i, m_s)
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha, beta = tl.exp2(m_i - m_safe), tl.exp2(m_s - m_safe)
-            l_i = l_i * alpha + tl.load(at + D + 1, cache_modifier=".cg") * beta
-            acc = acc * alpha[:, None] + tl.load(at[:, None] + dims[None, :], cache_modifier=".cg") * beta[:, None]
-            m_i = m_new
-        o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-        dst = out + ((n * TQ + t[:, None]) * H + head[:, None]) * D + dims[None, :]
-        tl.store(dst, o.to(out.dtype.element_ty), mask=live[:, None])
 
     @triton.jit
     def _combine_kernel(
@@ -315,8 +277,28 @@ if triton is not None:
         program (i, j, c) takes dims c*DB .. (c+1)*DB of its rows, so that a wide head (pi0's
         256) is merged by more programs, each holding a (BM, DB) accumulator in registers."""
         inputs_ready(GDC)
+        pid_nk = tl.program_id(1)
+        n = (pid_nk // (H // G)).to(tl.int64)
+        rows = tl.program_id(0) * BM + tl.arange(0, BM)
+        live = rows < G * TQ
+        head = (pid_nk % (H // G)) * G + rows // TQ
+        t = rows % TQ
         dims = tl.program_id(2) * DB + tl.arange(0, DB)
-        _merge(part, out, tl.program_id(1), tl.program_id(0), TQ, H, G, SPLITS, BM, D, dims)
+        acc = tl.zeros((BM, DB), dtype=tl.float32)
+        m_i = tl.full((BM,), float("-inf"), tl.float32)
+        l_i = tl.zeros((BM,), dtype=tl.float32)
+        for s in tl.static_range(SPLITS):  # unrolled: every split's loads in flight at once
+            at = part + ((s * tl.num_programs(1) + pid_nk) * tl.num_programs(0) * BM + rows) * (D + 2)
+            m_s = tl.load(at + D)
+            m_new = tl.maximum(m_i, m_s)
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha, beta = tl.exp2(m_i - m_safe), tl.exp2(m_s - m_safe)
+            l_i = l_i * alpha + tl.load(at + D + 1) * beta
+            acc = acc * alpha[:, None] + tl.load(at[:, None] + dims[None, :]) * beta[:, None]
+            m_i = m_new
+        o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        dst = out + ((n * TQ + t[:, None]) * H + head[:, None]) * D + dims[None, :]
+        tl.store(dst, o.to(out.dtype.element_ty), mask=live[:, None])
 
 
 def _tiles(rows: int, groups: int, keys: int, d: int, itemsize: int, sms: int) -> tuple[int, int, int, int]:
@@ -392,19 +374,15 @@ def attention_triton(
     chunk = triton.cdiv(max(blocks, 1), splits) * bn
     splits = triton.cdiv(start, chunk)
     part = out if splits == 1 else q.new_empty((splits, grid[1], grid[0] * bm, d + 2), dtype=torch.float32)
-    # The split programs' last one merges (bit for bit what the merge kernel writes), one launch
-    # fewer; the merge kernel runs where no counters are at hand (tile_counters).
-    counters = tile_counters(q.device, programs) if splits > 1 and MERGE_IN_KERNEL else None
     if n * tq:
         _attention_kernel[(*grid, splits)](
             q, out, part, tq, h, group, math.log2(math.e) / math.sqrt(d), *q.stride()[:3], *args, start,
-            triton.cdiv(token_end, bn) * bn, chunk, *lengths, part if counters is None else counters,
-            SOURCES=len(sources), TOKENS=tokens, FLAGS=flags, ALIGNED=aligned, TWO_LOOPS=two_loops,
-            PER_SOURCE=per_source, SPLIT=splits > 1, MERGE=0 if counters is None else splits, BM=bm, BN=bn, D=d,
+            triton.cdiv(token_end, bn) * bn, chunk, *lengths, SOURCES=len(sources), TOKENS=tokens, FLAGS=flags,
+            ALIGNED=aligned, TWO_LOOPS=two_loops, PER_SOURCE=per_source, SPLIT=splits > 1, BM=bm, BN=bn, D=d,
             PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=warps, num_stages=stages,
             **dependent_launch(q.device, programs * splits),
         )  # fmt: skip
-        if splits > 1 and counters is None:
+        if splits > 1:
             db = min(d, COMBINE_DIMS)
             _combine_kernel[(*grid, d // db)](
                 part, out, tq, h, group, SPLITS=splits, BM=bm, D=d, DB=db, num_warps=4,

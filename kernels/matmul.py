@@ -31,7 +31,6 @@ import torch.nn.functional as F
 
 from flashrt.kernels.activation import gelu_mul, gelu_mul_reference
 from flashrt.kernels.backend import check_layout, dependent_launch, tl, triton, use_triton
-from flashrt.kernels.rotary import check_frequencies, check_positions, kv_destination, qkv_rope
 
 MAX_ROWS = 256
 MAX_K = 1024
@@ -73,7 +72,6 @@ def add_matmul_reference(x: torch.Tensor, a: torch.Tensor, weight: torch.Tensor)
 
 if triton is not None:
     from flashrt.kernels.backend import inputs_ready
-    from flashrt.kernels.rotary import store_head
 
     @triton.jit
     def _linear_kernel(
@@ -108,28 +106,6 @@ if triton is not None:
         tl.store(dst, acc.to(out.dtype.element_ty), mask=keep)
 
     @triton.jit
-    def _sweep_pair(
-        a, weight, first, second, wm, K, row, live,
-        PAIR: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr,
-    ):  # fmt: skip
-        """``a`` (every row, at most BM) times weight rows ``first`` (BN,) and, with PAIR, rows
-        ``second``; ``k`` swept in BK blocks (pipelined). Two (BM, BN) float32 products."""
-        ks = tl.arange(0, BK)
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
-        acc2 = tl.zeros((BM, BN), dtype=tl.float32)
-        w1 = weight + first[:, None].to(tl.int64) * K
-        w2 = weight + second[:, None].to(tl.int64) * K
-        for k0 in range(0, K, BK):
-            kin = (k0 + ks) < K
-            x = tl.load(a + row[:, None] * K + (k0 + ks)[None, :], mask=live[:, None] & kin[None, :], other=0.0)
-            w = tl.load(w1 + (k0 + ks)[None, :], mask=wm[:, None] & kin[None, :], other=0.0)
-            acc += tl.dot(x, tl.trans(w), input_precision=PRECISION)
-            if PAIR:
-                w = tl.load(w2 + (k0 + ks)[None, :], mask=wm[:, None] & kin[None, :], other=0.0)
-                acc2 += tl.dot(x, tl.trans(w), input_precision=PRECISION)
-        return acc, acc2
-
-    @triton.jit
     def _linear_loop_kernel(
         a, weight, bias, out, rows, K, N, s_bias,
         HAS_BIAS: tl.constexpr, ACCUMULATE: tl.constexpr, GELU: tl.constexpr, GEGLU: tl.constexpr,
@@ -140,8 +116,20 @@ if triton is not None:
         cols = tl.program_id(0) * BN + tl.arange(0, BN)
         row = tl.arange(0, BM)
         live = row < rows
+        ks = tl.arange(0, BK)
         inputs_ready(GDC)
-        acc, up = _sweep_pair(a, weight, cols, cols + N, cols < N, K, row, live, GEGLU, BM, BN, BK, PRECISION)
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        up = tl.zeros((BM, BN), dtype=tl.float32)
+        w_rows = weight + cols[:, None].to(tl.int64) * K
+        for k0 in range(0, K, BK):
+            kin = (k0 + ks) < K
+            x = tl.load(a + row[:, None] * K + (k0 + ks)[None, :], mask=live[:, None] & kin[None, :], other=0.0)
+            w_mask = (cols[:, None] < N) & kin[None, :]
+            w = tl.load(w_rows + (k0 + ks)[None, :], mask=w_mask, other=0.0)
+            acc += tl.dot(x, tl.trans(w), input_precision=PRECISION)
+            if GEGLU:
+                wu = tl.load(w_rows + N.to(tl.int64) * K + (k0 + ks)[None, :], mask=w_mask, other=0.0)
+                up += tl.dot(x, tl.trans(wu), input_precision=PRECISION)
         if HAS_BIAS:
             acc += tl.load(bias + cols * s_bias, mask=cols < N, other=0.0).to(tl.float32)[None, :]
         if GEGLU:  # rounded as the chain kernels.linear -> kernels.gelu_mul rounds
@@ -152,28 +140,6 @@ if triton is not None:
             act = (0.5 * g * (1.0 + tanh)).to(dtype).to(tl.float32)
             acc = act * up.to(dtype).to(tl.float32)
         _finish(acc, out, row, live, cols, N, ACCUMULATE, GELU)
-
-    @triton.jit
-    def _linear_rope_kernel(
-        a, weight, pos0, inv_freq, q_out, k_out, v_out, rows, K, T, HEADS, KV_HEADS,
-        sk_n, sk_g, sk_t, sv_n, sv_g, sv_t, s_pos, s_freq,
-        HALF: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GDC: tl.constexpr,
-        PRECISION: tl.constexpr,
-    ):  # fmt: skip
-        # Program j: columns c0 .. c0 + BN of both halves of head j // (HALF // BN) (rotary pairs
-        # element i with i + HALF), every row (n * T + t) at once.
-        head = tl.program_id(0) // (HALF // BN)
-        c0 = tl.program_id(0) % (HALF // BN) * BN
-        first = head * 2 * HALF + c0 + tl.arange(0, BN)
-        row = tl.arange(0, BM)
-        live = row < rows
-        inputs_ready(GDC)
-        p, q = _sweep_pair(a, weight, first, first + HALF, first >= 0, K, row, live, True, BM, BN, BK, PRECISION)
-        dtype = q_out.dtype.element_ty  # rounded as kernels.linear rounds, then rotated as kernels.qkv_rope
-        store_head(
-            p.to(dtype), q.to(dtype), c0, row // T, row % T, live, head, T, pos0, inv_freq, q_out, k_out, v_out,
-            HEADS, KV_HEADS, sk_n, sk_g, sk_t, sv_n, sv_g, sv_t, s_pos, s_freq, HALF, BN,
-        )  # fmt: skip
 
 
 def _launch(
@@ -300,48 +266,6 @@ def linear_geglu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         _launch(x.contiguous(), weight, None, out, geglu=True)
         return out
     return gelu_mul(linear(x, weight))
-
-
-def linear_qkv_rope(
-    a: torch.Tensor,
-    weight: torch.Tensor,
-    pos0: torch.Tensor,
-    inv_freq: torch.Tensor,
-    heads: int,
-    kv_heads: int,
-    kv_out: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`flashrt.kernels.qkv_rope` of :func:`linear` ``(a, weight)``: queries ``(N, h, T, d)``,
-    keys and values ``(N, g, T, d)`` (views of ``kv_out`` when given), rounded as that chain rounds.
-
-    Over few rows (the action expert's tokens) with a power-of-two head dim of 32 or more, one
-    blocked-``k`` launch: a program sweeps matching columns of a head's two halves (rotary pairs
-    element ``i`` with ``i + d/2``) and rotates them in its epilogue, so the projection is never
-    written. Elsewhere the chain runs."""
-    _check("linear_qkv_rope", a, weight)
-    check_positions(pos0, a.shape[0], "linear_qkv_rope")
-    d = weight.shape[0] // (heads + 2 * kv_heads)
-    layout = d >= 32 and not d & (d - 1) and (kv_out is None or kv_out.stride(-1) == 1)
-    outs = [] if kv_out is None else [kv_out]
-    if not (layout and a.dim() == 3 and use_triton(pos0, inv_freq) and _fits(a, weight, *outs, blocked=True)):
-        return qkv_rope(linear(a, weight), pos0, inv_freq, heads, kv_heads, kv_out)
-    check_frequencies(inv_freq, d, "linear_qkv_rope")
-    n, t, k = a.shape
-    kv_out = kv_destination(n, t, weight.shape[0], a.dtype, a.device, heads, kv_heads, kv_out)
-    q = a.new_empty((n, heads, t, d))
-    k_out, v_out = kv_out[:, 0], kv_out[:, 1]
-    if n * t:
-        bn, bk = loop_tiles(weight.shape[0], a.element_size())
-        bn = min(d // 2, max(16, bn // 2))  # half the rows a program, from each half: the same weight bytes
-        grid = ((heads + 2 * kv_heads) * (d // 2 // bn),)
-        _linear_rope_kernel[grid](
-            a.contiguous(), weight, pos0, inv_freq, q, k_out, v_out, n * t, k, t, heads, kv_heads,
-            *k_out.stride()[:3], *v_out.stride()[:3], pos0.stride(0), inv_freq.stride(0),
-            HALF=d // 2, BM=max(16, triton.next_power_of_2(n * t)), BN=bn, BK=bk,
-            PRECISION="ieee" if a.dtype == torch.float32 else "tf32", num_warps=4, num_stages=4,
-            **dependent_launch(a.device, grid[0]),
-        )  # fmt: skip
-    return q, k_out, v_out
 
 
 def add_matmul(x: torch.Tensor, a: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

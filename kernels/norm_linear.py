@@ -27,9 +27,9 @@ import torch.nn.functional as F
 
 from flashrt.kernels.activation import gelu_mul_reference
 from flashrt.kernels.backend import check_layout, dependent_launch, tl, triton, use_triton
-from flashrt.kernels.matmul import linear_geglu, linear_qkv_rope
+from flashrt.kernels.matmul import linear, linear_geglu
 from flashrt.kernels.norm import add_rms_norm, add_rms_norm_reference
-from flashrt.kernels.rotary import check_frequencies, check_positions, kv_destination, qkv_rope_reference
+from flashrt.kernels.rotary import check_frequencies, check_positions, kv_destination, qkv_rope, qkv_rope_reference
 
 FUSED_MAX_WIDTH = 256
 """Widest rows the fused kernels take: a block of rows is held whole in registers."""
@@ -125,8 +125,8 @@ if triton is not None:
         q = tl.dot(y, tl.trans(w2), input_precision=PRECISION).to(a.dtype)
         if ROPE:  # queries and keys rotated, rounded as the unfused kernel; values as projected
             store_head(
-                p, q, 0, row // T, row % T, live, tl.program_id(1), T, pos0, inv_freq, out, k_out, v_out, HEADS,
-                KV_HEADS, sk_n, sk_g, sk_t, sv_n, sv_g, sv_t, s_pos, s_freq, BN, BN,
+                p, q, row // T, row % T, live, tl.program_id(1), T, pos0, inv_freq, out, k_out, v_out, HEADS, KV_HEADS,
+                sk_n, sk_g, sk_t, sv_n, sv_g, sv_t, s_pos, s_freq, BN,
             )  # fmt: skip
         else:  # gelu_tanh(gate) * up, rounded as kernels.gelu_mul
             pf, qf = p.to(tl.float32), q.to(tl.float32)
@@ -265,4 +265,5 @@ def rms_norm_qkv_rope(
     fused_layout = d >= 32 and not d & (d - 1) and (kv_out is None or kv_out.stride(-1) == 1)
     if fused_layout and _fits(QKV_ROPE_MAX_ROWS, x, weight, norm_weight, pos0, inv_freq, *outs):
         return rms_norm_qkv_rope_triton(x, norm_weight, eps, weight, pos0, inv_freq, heads, kv_heads, kv_out)
-    return linear_qkv_rope(add_rms_norm(x, None, norm_weight, eps)[1], weight, pos0, inv_freq, heads, kv_heads, kv_out)
+    qkv = linear(add_rms_norm(x, None, norm_weight, eps)[1], weight)
+    return qkv_rope(qkv, pos0, inv_freq, heads, kv_heads, kv_out)

@@ -88,14 +88,13 @@ if triton is not None:
 
     @triton.jit
     def store_head(
-        a, b, c0, n, t, live, j, T, pos0, inv_freq, q_out, k_out, v_out, HEADS, KV_HEADS,
-        sk_n, sk_g, sk_t, sv_n, sv_g, sv_t, s_pos, s_freq, HALF: tl.constexpr, BC: tl.constexpr,
+        a, b, n, t, live, j, T, pos0, inv_freq, q_out, k_out, v_out, HEADS, KV_HEADS,
+        sk_n, sk_g, sk_t, sv_n, sv_g, sv_t, s_pos, s_freq, HALF: tl.constexpr,
     ):  # fmt: skip
-        """Head ``j`` (among h + 2g) of tokens ``t`` of slots ``n`` (``live`` ones), as columns
-        ``c0 .. c0 + BC`` of its two halves, ``a`` and ``b`` (BT, BC): queries and keys rotated
-        (rounded as the reference) and written to ``q_out`` ``(N, h, T, d)`` or ``k_out``, values
-        written to ``v_out`` as they are."""
-        cols = c0 + tl.arange(0, BC)
+        """Head ``j`` (among h + 2g) of tokens ``t`` of slots ``n`` (``live`` ones), as its two
+        halves ``a``, ``b`` (BT, HALF): queries and keys rotated (rounded as the reference) and
+        written to ``q_out`` ``(N, h, T, d)`` or ``k_out``, values written to ``v_out`` as they are."""
+        cols = tl.arange(0, HALF)
         m = live[:, None]
         if j < HEADS + KV_HEADS:
             pos = (tl.load(pos0 + n * s_pos, mask=live, other=0) + t).to(tl.float32)
@@ -134,8 +133,8 @@ if triton is not None:
         a = tl.load(src, mask=m)
         b = tl.load(src + HALF, mask=m)
         store_head(
-            a, b, 0, n, t, live, j, T, pos0, inv_freq, q_out, k_out, v_out, HEADS, KV_HEADS,
-            sk_n, sk_g, sk_t, sv_n, sv_g, sv_t, s_pos, s_freq, HALF, HALF,
+            a, b, n, t, live, j, T, pos0, inv_freq, q_out, k_out, v_out, HEADS, KV_HEADS,
+            sk_n, sk_g, sk_t, sv_n, sv_g, sv_t, s_pos, s_freq, HALF,
         )  # fmt: skip
 
 

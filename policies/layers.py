@@ -22,7 +22,7 @@ from flashrt.kernels import (
     linear,
     linear_geglu,
     linear_gelu,
-    linear_qkv_rope,
+    qkv_rope,
     rms_norm_geglu,
     rms_norm_qkv_rope,
 )
@@ -205,7 +205,7 @@ class DecoderLayer(nn.Module):
                 raise ValueError("an adaptive (time-conditioned) layer needs its modulation `mod`")
             m1, m2 = mod.unbind(-3)
             _, y = add_ada_rms_norm(x, None, None, m1, n1.eps)
-            q, k, v = linear_qkv_rope(y, self.qkv_weight(), pos0, inv_freq, self.heads, self.kv_heads, kv_out)
+            q, k, v = qkv_rope(linear(y, self.qkv_weight()), pos0, inv_freq, self.heads, self.kv_heads, kv_out)
             a = linear(attention_long.attention(q, k, v, own_mask, context).reshape(n, t, -1), self.o.weight)
             x, y = add_ada_rms_norm(x, a, m1.select(-2, 2), m2, n2.eps)
             h = linear(linear_geglu(y, self.gate_up.weight), self.down.weight)

@@ -335,12 +335,11 @@ def test_attention_rows_with_no_valid_key_are_zero(device, context):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_attention_splits_the_keys_only_when_programs_are_few(device, monkeypatch):
-    """Three slots over 708 keys (three programs, twelve key blocks each) take the split launch,
-    merged by its last program; one program per slot on more than half the SMs does not split.
-    Both match the reference."""
+    """Three slots over 708 keys (three programs, twelve key blocks each) take the split launch
+    and its merge; one program per slot on more than half the SMs does not. Both match the
+    reference."""
     import flashrt.kernels.grouped_attention as ga
 
-    launches = spy_launches(monkeypatch, ga, "_attention_kernel")
     merges = spy_launches(monkeypatch, ga, "_combine_kernel")
     g = torch.Generator(device=device).manual_seed(11)
     for n, split in ((3, True), (sm_count(torch.device(device)) // 2 + 1, False)):
@@ -348,11 +347,9 @@ def test_attention_splits_the_keys_only_when_programs_are_few(device, monkeypatc
             rnd = lambda *s, dt=dtype: torch.randn(*s, device=device, generator=g).to(dt)  # noqa: E731
             q, k, v = rnd(n, 4, 8, 64), rnd(n, 1, 8, 64), rnd(n, 1, 8, 64)
             segments = [(rnd(n, 1, 300, 64), rnd(n, 1, 300, 64), None), (rnd(n, 1, 400, 64), rnd(n, 1, 400, 64), None)]
-            launches.clear()
+            merges.clear()
             got = attention_triton(q, k, v, None, segments)
-            (grid,) = launches
-            assert (grid[2] > 1) == split and launches.options[0]["MERGE"] == (grid[2] if split else 0)
-            assert not merges
+            assert bool(merges) == split
             f = lambda x: x.float()  # noqa: E731
             want = attention_reference(f(q), f(k), f(v), None, [(f(a), f(b), None) for a, b, _ in segments])
             close(got, want, dtype)
@@ -402,9 +399,8 @@ def test_a_wide_head_sweeps_each_source_on_blocks_of_its_own(device, monkeypatch
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_the_merge_of_a_wide_head_tiles_its_dims_over_programs(device, monkeypatch):
-    """pi0's expert at one slot (head dim 256, keys split over programs), merged by the merge
-    kernel (where no counters are at hand, e.g. a first call inside a capture): four programs a
-    row block, each on 64 of the dims, and matches the reference. Mutation: the
+    """pi0's expert at one slot (head dim 256, keys split over programs): the merge runs as four
+    programs per row block, each on 64 of the dims, and matches the reference. Mutation: the
     same merge launched with one program per row block (every program on dims 0..63 alone)
     leaves the other dims unmerged, and the comparison fails."""
     import flashrt.kernels.grouped_attention as ga
@@ -414,7 +410,6 @@ def test_the_merge_of_a_wide_head_tiles_its_dims_over_programs(device, monkeypat
     q, k, v = rnd(1, 50, 8, 256).transpose(1, 2), rnd(1, 1, 50, 256), rnd(1, 1, 50, 256)
     segments = [(rnd(1, 1, tc, 256), rnd(1, 1, tc, 256), None) for tc in (48, 769)]
     want = attention_reference(q, k, v, None, segments)
-    monkeypatch.setattr(ga, "MERGE_IN_KERNEL", False)
     merges = spy_launches(monkeypatch, ga, "_combine_kernel")
     poison_allocator(device)
     got = attention_triton(q, k, v, None, segments)
@@ -433,50 +428,6 @@ def test_the_merge_of_a_wide_head_tiles_its_dims_over_programs(device, monkeypat
     poison_allocator(device)
     with pytest.raises(AssertionError):
         close(attention_triton(q, k, v, None, segments), want, torch.float32)
-
-
-@pytest.mark.parametrize("device", DEVICES)
-def test_the_last_split_program_merges_as_the_merge_kernel_does(device, monkeypatch):
-    """pi0's expert at one slot, keys split over programs: the launch whose last program merges
-    writes the merge kernel's bits, leaves its counters at zero, and a second call (on the counters
-    the first left) writes the same bits again. Mutation: the last-but-one program merging (one
-    split's state left out) fails the comparison with the reference."""
-    import flashrt.kernels.grouped_attention as ga
-    from flashrt.kernels.backend import tile_counters
-
-    kernel = ga._attention_kernel
-
-    class EarlyMerge:
-        def __getitem__(self, grid):
-            return lambda *args, **kw: kernel[grid](*args, **{**kw, "MERGE": kw["MERGE"] - 1})
-
-    g = torch.Generator(device=device).manual_seed(17)
-    for dtype in dtypes(device):
-        rnd = lambda *s, dt=dtype: torch.randn(*s, device=device, generator=g).to(dt)  # noqa: E731
-        q, k, v = rnd(1, 50, 8, 256).transpose(1, 2), rnd(1, 1, 50, 256), rnd(1, 1, 50, 256)
-        segments = [(rnd(1, 1, tc, 256), rnd(1, 1, tc, 256), None) for tc in (49, 768)]
-        f = lambda x: x.float()  # noqa: E731
-        want = attention_reference(f(q), f(k), f(v), None, [(f(a), f(b), None) for a, b, _ in segments])
-        monkeypatch.setattr(ga, "_attention_kernel", kernel)
-        launches = spy_launches(monkeypatch, ga, "_attention_kernel")
-        poison_allocator(device)
-        fused = attention_triton(q, k, v, None, segments)
-        assert launches.options[0]["MERGE"] > 1
-        counters = tile_counters(torch.device(device), 1)
-        assert not counters.any()
-        close(fused, want, dtype)
-        poison_allocator(device)
-        assert torch.equal(attention_triton(q, k, v, None, segments), fused)
-        monkeypatch.setattr(ga, "MERGE_IN_KERNEL", False)
-        poison_allocator(device)
-        assert torch.equal(attention_triton(q, k, v, None, segments), fused)
-        monkeypatch.setattr(ga, "MERGE_IN_KERNEL", True)
-        monkeypatch.setattr(ga, "_attention_kernel", EarlyMerge())
-        poison_allocator(device)
-        early = attention_triton(q, k, v, None, segments)
-        counters.zero_()  # the mutation leaves its counters off zero
-        with pytest.raises(AssertionError):
-            close(early, want, dtype)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -122,45 +122,6 @@ def test_linear_geglu_over_few_rows_is_one_blocked_kernel(device, rows, k, m, tr
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize(
-    ("n", "t", "k", "heads", "kv_heads", "d"),
-    [(1, 50, 1024, 8, 1, 256), (2, 7, 96, 2, 1, 64), (1, 50, 200, 4, 2, 32)],  # pi0's expert; ragged k
-)
-def test_linear_qkv_rope_over_few_rows_is_one_blocked_kernel(device, n, t, k, heads, kv_heads, d, triton_on_cpu,
-                                                             monkeypatch):  # fmt: skip
-    """Queries, keys and values rotated in the blocked kernel's epilogue (pi0's expert: 50 rows,
-    head dim 256; keys/values into a strided cache view) match linear then qkv_rope's reference.
-    Mutation: the same comparison against the weight's head halves swapped (each element paired
-    with the wrong partner) fails. One row more than LOOP_ROWS takes the chain."""
-    from flashrt.kernels.rotary import qkv_rope_reference
-
-    launches = spy_launches(monkeypatch, kl, "_linear_rope_kernel")
-    g = torch.Generator(device=device).manual_seed(k + d)
-    inv = 10000.0 ** (-torch.arange(0, d, 2, dtype=torch.float32, device=device) / d)
-    pos0 = torch.tensor([5, 811], device=device)[:n]
-    width = (heads + 2 * kv_heads) * d
-    for dtype in dtypes(device):
-        a, w, _ = inputs(device, dtype, g, (n, t), k, width)
-        cache = torch.full((n, 3, 2, kv_heads, t + 4, d), float("nan"), device=device, dtype=dtype)
-        poison_allocator(device)
-        q, kk, v = kl.linear_qkv_rope(a, w, pos0, inv, heads, kv_heads, cache[:, 1, :, :, 2:-2])
-        assert kk.data_ptr() == cache[:, 1, 0, :, 2:].data_ptr() and not cache[:, [0, 2]].isfinite().any()
-        wq, wk, wv = qkv_rope_reference(F.linear(a.float(), w.float()), pos0, inv, heads, kv_heads)
-        for got, want in ((q, wq), (kk, wk), (v, wv)):
-            close(got, want, dtype)
-        swapped = w.float().view(-1, 2, d // 2, k).flip(1).reshape(width, k)
-        wrong = qkv_rope_reference(F.linear(a.float(), swapped), pos0, inv, heads, kv_heads)[0]
-        with pytest.raises(AssertionError):
-            close(q, wrong, dtype)
-    assert len(launches) == len(dtypes(device))
-    launches.clear()
-    a, w, _ = inputs(device, dtypes(device)[0], g, (1, kl.LOOP_ROWS + 1), k, width)
-    q, _, _ = kl.linear_qkv_rope(a, w, pos0[:1], inv, heads, kv_heads)
-    close(q, qkv_rope_reference(F.linear(a.float(), w.float()), pos0[:1], inv, heads, kv_heads)[0], dtypes(device)[0])
-    assert not launches
-
-
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(("rows_shape", "kernel"), [((1, 64), True), ((3, 7), True), ((4, 65), False)])
 def test_linear_gelu_matches_linear_then_gelu(device, rows_shape, kernel, triton_on_cpu, monkeypatch):
     """GELU (tanh form) on the float32 accumulator against linear, then GELU: the vision MLP's
