@@ -22,17 +22,22 @@ def gelu_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
 if triton is not None:
 
     @triton.jit
+    def geglu(gate, up, dtype: tl.constexpr):
+        """``gelu_tanh(gate) * up`` in float32, of a gate and an up value each already rounded
+        to ``dtype``: the GELU is rounded to ``dtype`` before the product, as the reference's
+        ``F.gelu`` output is (the caller rounds the product). Every GeGLU kernel's epilogue."""
+        z = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
+        tanh = 1.0 - 2.0 / (tl.exp(2.0 * z) + 1.0)
+        return (0.5 * gate * (1.0 + tanh)).to(dtype).to(tl.float32) * up
+
+    @triton.jit
     def _gelu_mul_kernel(gate_up, out, m, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         inside = cols < m
         g = tl.load(gate_up + row * 2 * m + cols, mask=inside, other=0.0)
         u = tl.load(gate_up + row * 2 * m + m + cols, mask=inside, other=0.0).to(tl.float32)
-        gf = g.to(tl.float32)
-        z = 0.7978845608028654 * (gf + 0.044715 * gf * gf * gf)
-        tanh = 1.0 - 2.0 / (tl.exp(2.0 * z) + 1.0)
-        act = (0.5 * gf * (1.0 + tanh)).to(g.dtype).to(tl.float32)
-        tl.store(out + row * m + cols, (act * u).to(g.dtype), mask=inside)
+        tl.store(out + row * m + cols, geglu(g.to(tl.float32), u, g.dtype).to(g.dtype), mask=inside)
 
 
 _BLOCK = 1024

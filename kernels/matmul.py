@@ -71,6 +71,7 @@ def add_matmul_reference(x: torch.Tensor, a: torch.Tensor, weight: torch.Tensor)
 
 
 if triton is not None:
+    from flashrt.kernels.activation import geglu
     from flashrt.kernels.backend import inputs_ready
 
     @triton.jit
@@ -134,11 +135,7 @@ if triton is not None:
             acc += tl.load(bias + cols * s_bias, mask=cols < N, other=0.0).to(tl.float32)[None, :]
         if GEGLU:  # rounded as the chain kernels.linear -> kernels.gelu_mul rounds
             dtype = out.dtype.element_ty
-            g = acc.to(dtype).to(tl.float32)
-            z = 0.7978845608028654 * (g + 0.044715 * g * g * g)
-            tanh = 1.0 - 2.0 / (tl.exp(2.0 * z) + 1.0)
-            act = (0.5 * g * (1.0 + tanh)).to(dtype).to(tl.float32)
-            acc = act * up.to(dtype).to(tl.float32)
+            acc = geglu(acc.to(dtype).to(tl.float32), up.to(dtype).to(tl.float32), dtype)
         _finish(acc, out, row, live, cols, N, ACCUMULATE, GELU)
 
 

@@ -77,6 +77,7 @@ def rms_norm_qkv_rope_reference(
 
 
 if triton is not None:
+    from flashrt.kernels.activation import geglu
     from flashrt.kernels.backend import inputs_ready
     from flashrt.kernels.rotary import store_head
 
@@ -129,12 +130,9 @@ if triton is not None:
                 sk_n, sk_g, sk_t, sv_n, sv_g, sv_t, s_pos, s_freq, BN,
             )  # fmt: skip
         else:  # gelu_tanh(gate) * up, rounded as kernels.gelu_mul
-            pf, qf = p.to(tl.float32), q.to(tl.float32)
-            z = 0.7978845608028654 * (pf + 0.044715 * pf * pf * pf)
-            tanh = 1.0 - 2.0 / (tl.exp(2.0 * z) + 1.0)
-            act = (0.5 * pf * (1.0 + tanh)).to(a.dtype).to(tl.float32)
             dst = out + row[:, None] * m + first[None, :]
-            tl.store(dst, (act * qf).to(a.dtype), mask=live[:, None] & (first < m)[None, :])
+            act = geglu(p.to(tl.float32), q.to(tl.float32), a.dtype)
+            tl.store(dst, act.to(a.dtype), mask=live[:, None] & (first < m)[None, :])
 
 
 def _fits(max_rows: int, x: torch.Tensor, weight: torch.Tensor, *tensors: torch.Tensor) -> bool:
