@@ -10,13 +10,14 @@ projections, its time MLP's output layer and the vision tower's projections at o
 here, and the policy step at one slot is all Triton but for a few elementwise ops.
 
 A program holds ``BN`` weight rows whole (``k`` at most :data:`MAX_K`) and 16 input rows. Wider
-inputs (up to :data:`MAX_LOOP_K`: pi0's expert output and down projections, 2048 and 4096 wide)
-and weights larger than :data:`MAX_WEIGHT` (pi0.5's expert q/k/v and gate/up), over at most
-:data:`LOOP_ROWS` rows, take a second kernel that sweeps ``k`` in blocks: a program holds every
-row and 16 to 64 weight rows, so the weight is read once, by as many programs as possible.
+inputs (up to :data:`MAX_LOOP_K`: pi0's expert output projection, 2048 wide) and weights larger
+than :data:`MAX_WEIGHT` (pi0.5's expert q/k/v and gate/up), over at most :data:`LOOP_ROWS` rows,
+take a second kernel that sweeps ``k`` in blocks: a program holds every row and 16 to 64 weight
+rows, so the weight is read once, by as many programs as possible.
 Either way the product is rounded once to the output dtype after the bias or the residual is
 added (and the GELU of :func:`linear_gelu` taken) in float32, as cuBLAS's ``addmm`` and
-cuBLASLt's GELU epilogue round. More rows or wider inputs take cuBLAS, which is faster there.
+cuBLASLt's GELU epilogue round. More rows or wider inputs take cuBLAS, which is faster there
+(pi0's down projection, 4096 wide: docs/PERFORMANCE.md).
 
 The blocked kernel also takes a gated MLP's input half, :func:`linear_geglu`: a program sweeps
 matching gate and up rows and takes ``gelu_tanh(gate) * up`` in its epilogue, so the gate/up
@@ -41,10 +42,9 @@ a big one over a few dozen rows (pi0.5's expert q/k/v and gate/up, 2.6 M and 8.4
 50 rows) is several times faster in the blocked-``k`` kernel (docs/PERFORMANCE.md). ``tiny``'s
 largest is 0.5 M."""
 LOOP_ROWS = 64
-MAX_LOOP_K = 4096
+MAX_LOOP_K = 2048
 """Most rows and widest inputs the blocked-``k`` kernel takes (one block of rows, so each weight
-row is read by one program). At pi0's down projection (50 rows, 4096 wide) cuBLAS splits ``k``
-and runs a second kernel to reduce the splits; this kernel is one launch (docs/PERFORMANCE.md)."""
+row is read by one program)."""
 
 
 def linear_gelu_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:

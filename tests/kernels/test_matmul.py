@@ -66,9 +66,9 @@ def test_linear_takes_the_kernel_only_for_few_narrow_rows(device, triton_on_cpu,
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize(("rows", "k", "n"), [(50, 2048, 48), (50, 4096, 32), (3, 1032, 40), (3, 1024, 1040)])
+@pytest.mark.parametrize(("rows", "k", "n"), [(50, 2048, 48), (3, 1032, 40), (3, 1024, 1040)])
 def test_wide_inputs_over_few_rows_sweep_k_in_blocks(device, rows, k, n, triton_on_cpu, monkeypatch):
-    """Inputs wider than MAX_K (pi0's expert o and down; a ragged last block of k) or a weight larger than
+    """Inputs wider than MAX_K (pi0's expert o; a ragged last block of k) or a weight larger than
     MAX_WEIGHT, over at most LOOP_ROWS rows, take the blocked-k kernel and match torch; the same
     comparison against the product without its last block of k fails, and one row more takes
     torch."""
