@@ -228,24 +228,15 @@ if triton is not None:
             k3, v3, m3, f3, e3, sk3_t, sv3_t, sm3_t,
         )  # fmt: skip
         if PER_SOURCE:
-            acc, m_i, l_i = _one_source(
-                acc, m_i, l_i, qb, lo, hi, 0, n0, scale, k0, v0, m0, f0, sk0_t, sv0_t, sm0_t,
-                TOKENS % 2, FLAGS % 2, ALIGNED, BN, D, PRECISION,
+            own = (
+                (k0, v0, m0, f0, 0, n0, sk0_t, sv0_t, sm0_t), (k1, v1, m1, f1, e1, n1, sk1_t, sv1_t, sm1_t),
+                (k2, v2, m2, f2, e2, n2, sk2_t, sv2_t, sm2_t), (k3, v3, m3, f3, e3, n3, sk3_t, sv3_t, sm3_t),
             )  # fmt: skip
-            if SOURCES > 1:
+            for i in tl.static_range(SOURCES):
+                k, v, m, f, e, length, sk, sv, sm = own[i]
                 acc, m_i, l_i = _one_source(
-                    acc, m_i, l_i, qb, lo, hi, e1, n1, scale, k1, v1, m1, f1, sk1_t, sv1_t, sm1_t,
-                    TOKENS // 2 % 2, FLAGS // 2 % 2, ALIGNED, BN, D, PRECISION,
-                )  # fmt: skip
-            if SOURCES > 2:
-                acc, m_i, l_i = _one_source(
-                    acc, m_i, l_i, qb, lo, hi, e2, n2, scale, k2, v2, m2, f2, sk2_t, sv2_t, sm2_t,
-                    TOKENS // 4 % 2, FLAGS // 4 % 2, ALIGNED, BN, D, PRECISION,
-                )  # fmt: skip
-            if SOURCES > 3:
-                acc, m_i, l_i = _one_source(
-                    acc, m_i, l_i, qb, lo, hi, e3, n3, scale, k3, v3, m3, f3, sk3_t, sv3_t, sm3_t,
-                    TOKENS // 8 % 2, FLAGS // 8 % 2, ALIGNED, BN, D, PRECISION,
+                    acc, m_i, l_i, qb, lo, hi, e, length, scale, k, v, m, f, sk, sv, sm,
+                    TOKENS >> i & 1, FLAGS >> i & 1, ALIGNED, BN, D, PRECISION,
                 )  # fmt: skip
         elif TWO_LOOPS:
             acc, m_i, l_i = _sweep(
