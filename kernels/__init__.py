@@ -12,7 +12,7 @@ module                           kernels
 ``kernels.activation``           gated-MLP activation ``gelu_tanh(gate) * up``
 ``kernels.rotary``               QKV split + rotary embedding, keys/values written into cache views
 ``kernels.norm_linear``          RMSNorm + projection + its consumer (rotary split, or GeGLU) in one pass
-``kernels.matmul``               few-row projection: plain, + GELU, + GeGLU, or accumulated onto the residual
+``kernels.matmul``               few-row projection (+ GELU, + GeGLU), added onto the residual, or as split-k partials
 ``kernels.grouped_attention``    grouped-query attention over context segments and own keys, read in place
 ``kernels.flow``                 folded time embedding, and final norm + output projection + Euler update
 ``kernels.rng``                  per-slot counter-based Gaussian noise (draw + counter bump); slot keys, reseeds
@@ -25,16 +25,17 @@ from flashrt.kernels.activation import gelu_mul
 from flashrt.kernels.backend import implementation, reference_only, use_triton
 from flashrt.kernels.flow import euler_step, time_embed
 from flashrt.kernels.grouped_attention import attention
-from flashrt.kernels.matmul import add_matmul, linear, linear_geglu, linear_gelu
+from flashrt.kernels.matmul import PartialProduct, add_matmul, linear, linear_geglu, linear_gelu, linear_partials
 from flashrt.kernels.norm import add_ada_rms_norm, add_layer_norm, add_rms_norm, gated_add
 from flashrt.kernels.norm_linear import rms_norm_geglu, rms_norm_qkv_rope
 from flashrt.kernels.rng import draw_normal_
 from flashrt.kernels.rotary import qkv_rope
 from flashrt.kernels.slot_copy import masked_copy_rows, masked_copy_rows_reference, scatter_rows
 
-__version__ = "0.14.0"  # bump when a kernel's numerics change: capsules name the version they were made with
+__version__ = "0.15.0"  # bump when a kernel's numerics change: capsules name the version they were made with
 
 __all__ = [
+    "PartialProduct",
     "add_ada_rms_norm",
     "add_layer_norm",
     "add_matmul",
@@ -48,6 +49,7 @@ __all__ = [
     "linear",
     "linear_geglu",
     "linear_gelu",
+    "linear_partials",
     "masked_copy_rows",
     "masked_copy_rows_reference",
     "qkv_rope",

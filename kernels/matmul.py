@@ -22,15 +22,23 @@ cuBLASLt's GELU epilogue round. More rows or wider inputs take cuBLAS, which is 
 The blocked kernel also takes a gated MLP's input half, :func:`linear_geglu`: a program sweeps
 matching gate and up rows and takes ``gelu_tanh(gate) * up`` in its epilogue, so the gate/up
 product is never written (one kernel where the expert ran two).
+
+A blocked sweep is a chain of dependent steps a program, so its time follows the steps, not the
+rows (docs/PERFORMANCE.md). :func:`linear_partials` splits a wide input's ``k`` over several
+programs a column block, each sweeping a slice, and leaves the float32 partial products
+(:class:`PartialProduct`) to the kernel that reads the product anyway: the residual add before
+a norm (:func:`flashrt.kernels.add_rms_norm`), which sums them in order. No reduce kernel runs.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from flashrt.kernels.activation import gelu_mul, gelu_mul_reference
-from flashrt.kernels.backend import check_layout, dependent_launch, tl, triton, use_triton
+from flashrt.kernels.backend import check_layout, dependent_launch, sm_count, tl, triton, use_triton
 
 MAX_ROWS = 256
 MAX_K = 1024
@@ -45,6 +53,27 @@ LOOP_ROWS = 64
 MAX_LOOP_K = 2048
 """Most rows and widest inputs the blocked-``k`` kernel takes (one block of rows, so each weight
 row is read by one program)."""
+SPLIT_BN = 32
+SPLITS = (8, 4, 2)
+SPLIT_MAX_K = 4096
+"""Weight rows a program of the split-``k`` kernel takes, the slice counts of ``k`` it tries, most
+first, and the widest input it takes (pi0's expert output and down projections, 2 048 and 4 096
+wide, 1 024 outputs, at 50 rows: 4 slices, 128 programs, measured fastest: docs/PERFORMANCE.md)."""
+
+
+class PartialProduct(NamedTuple):
+    """``a @ W^T`` as ``parts`` ``(S, ..., n)`` float32: the products of ``S`` consecutive slices
+    of ``k``. The kernel that consumes it sums them in order (``parts[0] + parts[1] + ...``), so
+    no kernel of its own reduces them (:func:`linear_partials`)."""
+
+    parts: torch.Tensor
+
+    def total(self) -> torch.Tensor:
+        """The parts summed in their order: float32 ``(..., n)``, as a consumer kernel sums them."""
+        total = self.parts[0]
+        for part in self.parts[1:]:
+            total = total + part
+        return total
 
 
 def linear_gelu_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
@@ -138,6 +167,28 @@ if triton is not None:
             acc = geglu(acc.to(dtype).to(tl.float32), up.to(dtype).to(tl.float32), dtype)
         _finish(acc, out, row, live, cols, N, ACCUMULATE, GELU)
 
+    @triton.jit
+    def _split_kernel(
+        a, weight, parts, rows, K, N, KS,
+        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GDC: tl.constexpr, PRECISION: tl.constexpr,
+    ):  # fmt: skip
+        # Program (j, s): every row (at most BM) by weight rows j*BN.., k slice s*KS.. swept in BK
+        # blocks (pipelined); the float32 product stored as part s.
+        cols = tl.program_id(0) * BN + tl.arange(0, BN)
+        s = tl.program_id(1)
+        row = tl.arange(0, BM)
+        live = row < rows
+        ks = tl.arange(0, BK)
+        inputs_ready(GDC)
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        w_rows = weight + cols[:, None].to(tl.int64) * K
+        for k0 in range(s * KS, s * KS + KS, BK):
+            x = tl.load(a + row[:, None] * K + (k0 + ks)[None, :], mask=live[:, None], other=0.0)
+            w = tl.load(w_rows + (k0 + ks)[None, :], mask=(cols < N)[:, None], other=0.0)
+            acc += tl.dot(x, tl.trans(w), input_precision=PRECISION)
+        dst = parts + (s * rows + row[:, None]).to(tl.int64) * N + cols[None, :]
+        tl.store(dst, acc, mask=live[:, None] & (cols < N)[None, :])
+
 
 def _launch(
     a: torch.Tensor,
@@ -188,6 +239,54 @@ def loop_tiles(n: int, itemsize: int) -> tuple[int, int]:
     measured fastest: docs/PERFORMANCE.md)."""
     bn = next((bn for bn in (64, 32) if n >= 64 * bn), 16)
     return bn, (256 if bn == 16 else 128) * 2 // itemsize
+
+
+def splits(a: torch.Tensor, weight: torch.Tensor) -> int:
+    """Slices of ``k`` that :func:`linear_partials` splits ``a @ weight^T`` into on its kernel, or 0
+    where the kernel does not take the call: inputs wider than :data:`MAX_K` (to
+    :data:`SPLIT_MAX_K`) over at most :data:`LOOP_ROWS` rows, on Triton. The most slices of
+    :data:`SPLITS` that keep every program on an SM of its own (a dependent launch) and cut ``k``
+    into whole blocks."""
+    n, k = weight.shape
+    rows = a.numel() // max(k, 1)
+    if not (MAX_K < k <= SPLIT_MAX_K and 0 < rows <= LOOP_ROWS) or a.dtype != weight.dtype:
+        return 0
+    if not (weight.is_contiguous() and use_triton(a, weight)):
+        return 0
+    bk = _split_bk(a.element_size())
+    blocks = triton.cdiv(n, SPLIT_BN)
+    return next((s for s in SPLITS if blocks * s <= sm_count(a.device) and k % (s * bk) == 0), 0)
+
+
+def _split_bk(itemsize: int) -> int:
+    """The split kernel's ``k`` step: 128 bf16 elements, 64 float32 (the blocked kernel's tiles)."""
+    return 256 // itemsize
+
+
+def linear_partials(a: torch.Tensor, weight: torch.Tensor) -> PartialProduct:
+    """``a @ weight^T`` for ``a (..., k)``, ``weight (n, k)`` as float32 partial products over
+    slices of ``k`` (:class:`PartialProduct` ``(S, ..., n)``), for a consumer that adds the
+    product to the residual stream (:func:`flashrt.kernels.add_rms_norm`,
+    :func:`flashrt.kernels.add_ada_rms_norm`).
+
+    Where :func:`splits` says so, one launch of ``S`` programs a block of :data:`SPLIT_BN`
+    weight rows, each sweeping ``k / S``; elsewhere one part, the float32 product."""
+    _check("linear_partials", a, weight)
+    s = splits(a, weight)
+    if not s:
+        return PartialProduct(F.linear(a.float(), weight.float()).unsqueeze(0))
+    check_layout("linear_partials", "weight", weight, contiguous=True)
+    a = a.contiguous()
+    n, k = weight.shape
+    rows = a.numel() // k
+    parts = torch.empty((s, *a.shape[:-1], n), device=a.device, dtype=torch.float32)
+    grid = (triton.cdiv(n, SPLIT_BN), s)
+    _split_kernel[grid](
+        a, weight, parts, rows, k, n, k // s, BM=max(16, triton.next_power_of_2(rows)), BN=SPLIT_BN,
+        BK=_split_bk(a.element_size()), PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+        num_warps=4, num_stages=4, **dependent_launch(a.device, grid[0] * grid[1]),
+    )  # fmt: skip
+    return PartialProduct(parts)
 
 
 def _whole_rows(rows: int, k: int, n: int) -> bool:

@@ -10,6 +10,12 @@ before the weight (as the Gemma-style reference does), LayerNorm rounds once at 
 ``F.layer_norm`` does). A program takes several short rows; each row is read once and written
 once (twice with the residual).
 
+``delta`` may also be a :class:`flashrt.kernels.matmul.PartialProduct`: a projection's float32
+partial sums over slices of its input, summed here in order (the norm's kernel reads them in
+place of a reduce kernel). :func:`add_rms_norm` adds the sum to ``x`` in float32 and rounds once,
+as :func:`flashrt.kernels.add_matmul` accumulates; a gated add (pi0.5) first rounds it to the
+input dtype, as :func:`flashrt.kernels.linear` rounds its product.
+
 pi0.5's time-conditioned expert takes the adaptive forms (:func:`add_ada_rms_norm`,
 :func:`gated_add`): the residual add scales its delta by a gate, and the norm's scale and
 shift come from a modulation (``policies.layers.AdaRMSNorm``), shared by every slot or one per
@@ -23,13 +29,26 @@ import torch
 import torch.nn.functional as F
 
 from flashrt.kernels.backend import dependent_launch, tl, triton, use_triton
+from flashrt.kernels.matmul import PartialProduct
+
+Delta = torch.Tensor | PartialProduct | None
+"""A residual add's delta: a tensor, a projection's partial products, or none."""
+
+
+def _residual(x: torch.Tensor, delta: Delta) -> torch.Tensor:
+    """``x + delta``, rounded once to x's dtype (a partial product summed in order first)."""
+    if delta is None:
+        return x
+    if isinstance(delta, PartialProduct):
+        return (x.float() + delta.total()).to(x.dtype)
+    return x + delta
 
 
 def add_rms_norm_reference(
-    x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
+    x: torch.Tensor, delta: Delta, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Torch reference: ``h = x + delta``; ``y = (h32 * rsqrt(mean(h32^2) + eps)).to(dtype) * weight``."""
-    h = x if delta is None else x + delta
+    h = _residual(x, delta)
     hf = h.float()
     return h, (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)).to(h.dtype) * weight
 
@@ -43,9 +62,11 @@ def add_layer_norm_reference(
 
 
 def add_ada_rms_norm_reference(
-    x: torch.Tensor, delta: torch.Tensor | None, gate: torch.Tensor | None, mod: torch.Tensor, eps: float
+    x: torch.Tensor, delta: Delta, gate: torch.Tensor | None, mod: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Torch reference of :func:`add_ada_rms_norm`."""
+    if isinstance(delta, PartialProduct):
+        delta = delta.total().to(x.dtype)
     h = x if delta is None else gated_add_reference(x, delta, gate)
     hf = h.float()
     y = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)
@@ -74,10 +95,11 @@ if triton is not None:
     def _add_norm_kernel(
         x, delta, gate, weight, bias, h_out, y_out, rows, delta_rows, slot_rows, width, eps, s_w, s_b, s_wn, s_gn,
         HAS_DELTA: tl.constexpr, GATED: tl.constexpr, NORM: tl.constexpr, LAYER: tl.constexpr,
-        SHIFT: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, GDC: tl.constexpr,
+        SHIFT: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, SPLITS: tl.constexpr, GDC: tl.constexpr,
     ):  # fmt: skip
         # Row r belongs to slot r // slot_rows: the gate's and the (modulated) weight's row of it
-        # (strides s_gn, s_wn; 0 where every slot shares one).
+        # (strides s_gn, s_wn; 0 where every slot shares one). SPLITS > 0: delta is that many
+        # float32 partial products (SPLITS, rows, width), summed in order.
         inputs_ready(GDC)
         row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
         slot = (row // slot_rows)[:, None]
@@ -87,8 +109,15 @@ if triton is not None:
         off = row[:, None] * width + cols[None, :]
         h = tl.load(x + off, mask=m, other=0.0)
         if HAS_DELTA:  # delta's rows repeat every delta_rows rows of x (a broadcast over leading dims)
-            d = tl.load(delta + (row % delta_rows)[:, None] * width + cols[None, :], mask=m, other=0.0)
+            if SPLITS:
+                d = tl.load(delta + off, mask=m, other=0.0)
+                for s in tl.static_range(1, SPLITS):
+                    d += tl.load(delta + s * rows * width + off, mask=m, other=0.0)
+            else:
+                d = tl.load(delta + (row % delta_rows)[:, None] * width + cols[None, :], mask=m, other=0.0)
             if GATED:  # the gate rounded to x's dtype, then the product, as the reference rounds
+                if SPLITS:  # the projection rounded first, as kernels.linear rounds it
+                    d = _rounded(d, h.dtype)
                 g = _rounded(tl.load(gate + slot * s_gn + cols[None, :], mask=m, other=0.0), h.dtype)
                 d = _rounded(d.to(tl.float32) * g, h.dtype)
             h = (h.to(tl.float32) + d.to(tl.float32)).to(h.dtype)
@@ -113,7 +142,7 @@ if triton is not None:
 
 def _add_norm_triton(
     x: torch.Tensor,
-    delta: torch.Tensor | None,
+    delta: Delta,
     weight: torch.Tensor | None,
     bias: torch.Tensor | None,
     eps: float,
@@ -125,6 +154,9 @@ def _add_norm_triton(
     (``layer``) or the adaptive shift; a 2-D ``weight``/``bias``/``gate`` has a row per slot of x."""
     width = x.shape[-1]
     x = x.contiguous()
+    splits = 0
+    if isinstance(delta, PartialProduct):
+        splits, delta = delta.parts.shape[0], delta.parts
     if gate is not None and gate.stride(-1) != 1:  # the kernel steps through a gate row one float at a time
         gate = gate.contiguous()
     h = x if delta is None else torch.empty_like(x)
@@ -145,7 +177,7 @@ def _add_norm_triton(
             h,
             stand_in if y is None else y,
             rows,
-            1 if delta is None else delta.numel() // width,
+            1 if delta is None else delta.numel() // width // max(splits, 1),
             max(1, rows // slots),
             width,
             eps,
@@ -160,6 +192,7 @@ def _add_norm_triton(
             SHIFT=bias is not None and not layer,
             ROWS=per_program,
             BLOCK=block,
+            SPLITS=splits,
             num_warps=4 if block <= 2048 else 8,
             enable_fp_fusion=gate is None,  # no fused multiply-add: torch rounds the gated product, then the sum
             **dependent_launch(x.device, programs),
@@ -181,8 +214,15 @@ def add_layer_norm_triton(
     return _add_norm_triton(x, delta, weight, bias, eps, layer=True)
 
 
-def _check(name: str, x: torch.Tensor, delta: torch.Tensor | None, *params: torch.Tensor) -> None:
-    if delta is not None and (delta.dim() > x.dim() or delta.shape != x.shape[x.dim() - delta.dim() :]):
+def _check(name: str, x: torch.Tensor, delta: Delta, *params: torch.Tensor) -> None:
+    if isinstance(delta, PartialProduct):
+        parts = delta.parts
+        if parts.dtype != torch.float32 or parts.dim() != x.dim() + 1 or parts.shape[1:] != x.shape:
+            raise ValueError(
+                f"{name}: a PartialProduct's parts must be float32 (S, *x.shape) for x {tuple(x.shape)}, got "
+                f"{parts.dtype} {tuple(parts.shape)}; make it with kernels.matmul.linear_partials over x's rows"
+            )
+    elif delta is not None and (delta.dim() > x.dim() or delta.shape != x.shape[x.dim() - delta.dim() :]):
         raise ValueError(f"{name}: delta {tuple(delta.shape)} must match x {tuple(x.shape)} or its trailing dims")
     for p in params:
         if p.shape != x.shape[-1:]:
@@ -190,23 +230,32 @@ def _check(name: str, x: torch.Tensor, delta: torch.Tensor | None, *params: torc
 
 
 def add_rms_norm(
-    x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float = 1e-6
+    x: torch.Tensor, delta: Delta, weight: torch.Tensor, eps: float = 1e-6
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(h, y)``: the residual sum ``h = x + delta`` (``x`` if ``delta`` is None) and its RMSNorm
     times ``weight``, over the last dimension. x ``(..., W)``, delta x's shape or its trailing
-    dims, of x's dtype; weight ``(W,)``."""
+    dims, of x's dtype, or a :class:`~flashrt.kernels.matmul.PartialProduct` over x's rows
+    (added in float32, rounded once); weight ``(W,)``."""
     _check("add_rms_norm", x, delta, weight)
-    tensors = (x, weight) if delta is None else (x, delta, weight)
+    tensors = (x, weight) if delta is None else (x, _tensor(delta), weight)
     if use_triton(*tensors) and x.dtype == weight.dtype:
         return add_rms_norm_triton(x, delta, weight, eps)
     return add_rms_norm_reference(x, delta, weight, eps)
+
+
+def _tensor(delta: torch.Tensor | PartialProduct) -> torch.Tensor:
+    """The tensor a delta's kernel reads."""
+    return delta.parts if isinstance(delta, PartialProduct) else delta
 
 
 def add_layer_norm(
     x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor, eps: float = 1e-6
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(h, y)``: the residual sum ``h = x + delta`` (``x`` if ``delta`` is None) and its
-    LayerNorm with ``weight`` and ``bias``, over the last dimension. Shapes as :func:`add_rms_norm`."""
+    LayerNorm with ``weight`` and ``bias``, over the last dimension. Shapes as :func:`add_rms_norm`
+    (a tensor delta)."""
+    if isinstance(delta, PartialProduct):
+        raise TypeError("add_layer_norm: delta must be a tensor; add_rms_norm takes a PartialProduct")
     _check("add_layer_norm", x, delta, weight, bias)
     tensors = (x, weight, bias) if delta is None else (x, delta, weight, bias)
     if use_triton(*tensors) and x.dtype == weight.dtype == bias.dtype:
@@ -228,7 +277,7 @@ def _check_modulation(name: str, x: torch.Tensor, t: torch.Tensor, what: str, ro
 
 
 def add_ada_rms_norm(
-    x: torch.Tensor, delta: torch.Tensor | None, gate: torch.Tensor | None, mod: torch.Tensor, eps: float = 1e-6
+    x: torch.Tensor, delta: Delta, gate: torch.Tensor | None, mod: torch.Tensor, eps: float = 1e-6
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """pi0.5's adaptive RMSNorm after its gated residual add: ``(h, y)`` with
     ``h = x + delta * gate`` (``x`` if ``delta`` is None) and
@@ -236,30 +285,37 @@ def add_ada_rms_norm(
 
     Args:
         x: ``(N, T, W)`` (or ``(..., W)`` with shared modulations) residual stream.
-        delta: x's shape, or None.
+        delta: x's shape, a :class:`~flashrt.kernels.matmul.PartialProduct` over x's rows (its
+            sum rounded to x's dtype before the gate), or None.
         gate: ``(W,)`` or ``(N, W)`` float32, the previous modulation's residual gate (with ``delta``).
         mod: ``(3, W)`` or ``(N, 3, W)`` float32: ``1 + scale``, ``shift`` and gate
             (``policies.layers.AdaRMSNorm.modulation``); rows 0 and 1 are read.
         eps: the norm's epsilon.
     """
     _check("add_ada_rms_norm", x, delta)
-    if delta is not None and (delta.shape != x.shape or gate is None):
+    shape = None if delta is None else _tensor(delta).shape[-x.dim() :]
+    if delta is not None and (shape != x.shape or gate is None):
         raise ValueError(f"add_ada_rms_norm: a delta must have x's shape {tuple(x.shape)} and come with its gate")
     _check_modulation("add_ada_rms_norm", x, mod, "modulation", 3)
     if gate is not None:
         _check_modulation("add_ada_rms_norm", x, gate, "gate", 1)
-    tensors = [t for t in (x, delta, gate, mod) if t is not None]
+    tensors = [t for t in (x, None if delta is None else _tensor(delta), gate, mod) if t is not None]
     if use_triton(*tensors):
         return _add_norm_triton(x, delta, mod.select(-2, 0), mod.select(-2, 1), eps, gate=gate)
     return add_ada_rms_norm_reference(x, delta, gate, mod, eps)
 
 
-def gated_add(x: torch.Tensor, delta: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+def gated_add(x: torch.Tensor, delta: torch.Tensor | PartialProduct, gate: torch.Tensor) -> torch.Tensor:
     """``x + delta * gate``: pi0.5's gated residual add, rounded as :func:`add_ada_rms_norm` adds.
-    x and delta ``(N, T, W)`` (or ``(..., W)`` with a shared gate); gate ``(W,)`` or ``(N, W)`` float32."""
-    if delta.shape != x.shape:
-        raise ValueError(f"gated_add: delta {tuple(delta.shape)} must have x's shape {tuple(x.shape)}")
+    x and delta ``(N, T, W)`` (or ``(..., W)`` with a shared gate; delta may be a
+    :class:`~flashrt.kernels.matmul.PartialProduct` over x's rows, its sum rounded to x's dtype
+    first); gate ``(W,)`` or ``(N, W)`` float32."""
+    _check("gated_add", x, delta)
+    if _tensor(delta).shape[-x.dim() :] != x.shape:
+        raise ValueError(f"gated_add: delta {tuple(_tensor(delta).shape)} must have x's shape {tuple(x.shape)}")
     _check_modulation("gated_add", x, gate, "gate", 1)
-    if use_triton(x, delta, gate):
+    if use_triton(x, _tensor(delta), gate):
         return _add_norm_triton(x, delta, None, None, 0.0, gate=gate)[0]
+    if isinstance(delta, PartialProduct):
+        delta = delta.total().to(x.dtype)
     return gated_add_reference(x, delta, gate)

@@ -27,6 +27,7 @@ from flashrt.kernels import (
     rms_norm_qkv_rope,
 )
 from flashrt.kernels.grouped_attention import Segment
+from flashrt.kernels.matmul import linear_partials, splits
 from flashrt.policies import attention_long
 
 Prefix = Sequence[tuple[torch.Tensor, torch.Tensor]]
@@ -135,6 +136,9 @@ class DecoderLayer(nn.Module):
     projection accumulated onto the residual. Where a fused norm + projection does not pay (rows
     wider than ``kernels.norm_linear.FUSED_MAX_WIDTH``, or many rows: cuBLAS is faster there) its
     norm, projection and pointwise step run apart, three kernels for one (nine a layer at most).
+    Where a projection's input is split over programs (``kernels.matmul.splits``: pi0's 2 048-wide
+    heads at few rows, and pi0.5's 4 096-wide down projection), its float32 partial sums go to the
+    kernel after it, which adds them to the residual (the norm, or pi0.5's gated add).
     """
 
     def __init__(
@@ -206,16 +210,23 @@ class DecoderLayer(nn.Module):
             m1, m2 = mod.unbind(-3)
             _, y = add_ada_rms_norm(x, None, None, m1, n1.eps)
             q, k, v = qkv_rope(linear(y, self.qkv_weight()), pos0, inv_freq, self.heads, self.kv_heads, kv_out)
-            a = linear(attention_long.attention(q, k, v, own_mask, context).reshape(n, t, -1), self.o.weight)
-            x, y = add_ada_rms_norm(x, a, m1.select(-2, 2), m2, n2.eps)
-            h = linear(linear_geglu(y, self.gate_up.weight), self.down.weight)
-            return gated_add(x, h, m2.select(-2, 2)), k, v
+            a = attention_long.attention(q, k, v, own_mask, context).reshape(n, t, -1)
+            o = linear_partials(a, self.o.weight) if splits(a, self.o.weight) else linear(a, self.o.weight)
+            x, y = add_ada_rms_norm(x, o, m1.select(-2, 2), m2, n2.eps)
+            h = linear_geglu(y, self.gate_up.weight)
+            d = linear_partials(h, self.down.weight) if splits(h, self.down.weight) else linear(h, self.down.weight)
+            return gated_add(x, d, m2.select(-2, 2)), k, v
         q, k, v = rms_norm_qkv_rope(
             x, n1.scale(), n1.eps, self.qkv_weight(), pos0, inv_freq, self.heads, self.kv_heads, kv_out
         )
-        x = add_matmul(x, attention_long.attention(q, k, v, own_mask, context).reshape(n, t, -1), self.o.weight)
-        x = add_matmul(x, rms_norm_geglu(x, n2.scale(), n2.eps, self.gate_up.weight), self.down.weight)
-        return x, k, v
+        a = attention_long.attention(q, k, v, own_mask, context).reshape(n, t, -1)
+        if splits(a, self.o.weight):
+            x, y = add_rms_norm(x, linear_partials(a, self.o.weight), n2.scale(), n2.eps)
+            h = linear_geglu(y, self.gate_up.weight)
+        else:
+            x = add_matmul(x, a, self.o.weight)
+            h = rms_norm_geglu(x, n2.scale(), n2.eps, self.gate_up.weight)
+        return add_matmul(x, h, self.down.weight), k, v
 
 
 def layer_norm(norm: nn.LayerNorm, x: torch.Tensor, delta: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:

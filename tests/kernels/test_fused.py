@@ -13,6 +13,7 @@ from flashrt.kernels.activation import gelu_mul_reference, gelu_mul_triton
 from flashrt.kernels.backend import sm_count
 from flashrt.kernels.flow import euler_step_reference, euler_step_triton, time_embed_reference, time_embed_triton
 from flashrt.kernels.grouped_attention import attention, attention_reference, attention_triton
+from flashrt.kernels.matmul import PartialProduct
 from flashrt.kernels.norm import (
     add_ada_rms_norm,
     add_ada_rms_norm_reference,
@@ -94,6 +95,54 @@ def test_adaptive_norm_and_gated_add_match_pi05s_reference(device, per_slot, mon
             with pytest.raises(AssertionError):
                 close(y, add_ada_rms_norm_reference(x, delta, gate, m2.roll(1, 0), 1e-6)[1], dtype)
     assert len(launches) == 4 * len(dtypes(device))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_norms_add_a_projections_partial_products_in_order(device, monkeypatch):
+    """A PartialProduct delta (4 float32 parts, pi0's expert rows): add_rms_norm adds their sum
+    in float32 and rounds once; pi0.5's gated add and adaptive norm round the sum first, then
+    gate it; the residual sums exactly as the references. The same comparisons fail against the
+    sum without its last part and, in bf16, against the sum gated before its rounding."""
+    if device == "cpu":
+        monkeypatch.setattr(kn, "use_triton", lambda *tensors: True)
+    launches = spy_launches(monkeypatch, kn, "_add_norm_kernel")
+    n, t, w = 1, 50, 1024
+    g = torch.Generator(device=device).manual_seed(7)
+    for dtype in dtypes(device):
+        x = (1 + torch.randn(n, t, w, device=device, generator=g)).to(dtype)
+        delta = PartialProduct(torch.randn(4, n, t, w, device=device, generator=g))
+        dropped = PartialProduct(delta.parts[:-1])
+        nw = (1 + 0.1 * torch.randn(w, device=device, generator=g)).to(dtype)
+        mod = 1 + 0.5 * torch.randn(3, w, device=device, generator=g)
+        gate = mod[2]
+        poison_allocator(device)
+        h, y = add_rms_norm(x, delta, nw, 1e-6)
+        h_ref, y_ref = add_rms_norm_reference(x, delta, nw, 1e-6)
+        assert torch.equal(h, h_ref) and torch.equal(h_ref, (x.float() + delta.total()).to(dtype))
+        close(y, y_ref, dtype)
+        with pytest.raises(AssertionError):  # mutation: the last part dropped
+            close(h, add_rms_norm_reference(x, dropped, nw, 1e-6)[0], dtype)
+        h, y = add_ada_rms_norm(x, delta, gate, mod, 1e-6)
+        h_ref, y_ref = add_ada_rms_norm_reference(x, delta, gate, mod, 1e-6)
+        assert torch.equal(h, h_ref)
+        close(y, y_ref, dtype)
+        rounded = delta.total().to(dtype)
+        assert torch.equal(gated_add(x, delta, gate), gated_add_reference(x, rounded, gate))
+        with pytest.raises(AssertionError):
+            close(gated_add(x, delta, gate), gated_add_reference(x, dropped.total().to(dtype), gate), dtype)
+        if dtype == torch.bfloat16:  # mutation: the float32 sum gated before it is rounded
+            assert not torch.equal(h, x + (delta.total() * gate).to(dtype))
+    assert len(launches) == 4 * len(dtypes(device))
+
+
+def test_a_partial_product_of_the_wrong_shape_is_named():
+    x, w = torch.zeros(1, 5, 8), torch.ones(8)
+    with pytest.raises(ValueError, match=r"parts must be float32 \(S, \*x.shape\) for x \(1, 5, 8\).*linear_partials"):
+        add_rms_norm(x, PartialProduct(torch.zeros(2, 5, 8)), w)
+    with pytest.raises(ValueError, match="parts must be float32"):
+        gated_add(x, PartialProduct(torch.zeros(2, 1, 5, 8, dtype=torch.float64)), torch.zeros(8))
+    with pytest.raises(TypeError, match="add_rms_norm takes a PartialProduct"):
+        add_layer_norm(x, PartialProduct(torch.zeros(2, 1, 5, 8)), w, w)
 
 
 def test_adaptive_norm_names_a_modulation_of_the_wrong_shape():

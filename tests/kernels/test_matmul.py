@@ -5,7 +5,16 @@ import torch
 import torch.nn.functional as F
 
 import flashrt.kernels.matmul as kl
-from flashrt.kernels import add_layer_norm, add_matmul, linear, linear_geglu, linear_gelu, reference_only
+from flashrt.kernels import (
+    PartialProduct,
+    add_layer_norm,
+    add_matmul,
+    linear,
+    linear_geglu,
+    linear_gelu,
+    linear_partials,
+    reference_only,
+)
 from flashrt.kernels.matmul import add_matmul_reference, linear_geglu_reference, linear_gelu_reference
 from tests.kernels.kernel_devices import DEVICES, close, dtypes, poison_allocator, spy_launches
 
@@ -119,6 +128,53 @@ def test_linear_geglu_over_few_rows_is_one_blocked_kernel(device, rows, k, m, tr
     assert not launches
     with pytest.raises(ValueError, match="even row count"):
         linear_geglu(a, w[1:])
+
+
+SPLIT_SHAPES = [
+    pytest.param((1, 50), 2048, 1024, 4, marks=pytest.mark.cuda, id="pi0-o"),
+    pytest.param((1, 50), 4096, 1024, 4, marks=pytest.mark.cuda, id="pi0-down"),
+    ((1, 50), 2048, 96, 8),
+    ((3,), 4096, 40, 8),  # a ragged last column block
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(("rows_shape", "k", "n", "want_splits"), SPLIT_SHAPES)
+def test_linear_partials_split_wide_inputs_over_few_rows(device, rows_shape, k, n, want_splits, triton_on_cpu,
+                                                        monkeypatch):  # fmt: skip
+    """Inputs wider than MAX_K over few rows: one launch whose part s is the product of slice s
+    of k, float32, the parts summing to the product. The same comparisons against the parts in
+    another order, and against the total without its last part, fail; one row more than
+    LOOP_ROWS, or an input of MAX_K, is one float32 part from torch."""
+    if device == "cpu" and n > 100:
+        pytest.skip("the interpreter takes minutes at this size")
+    launches = spy_launches(monkeypatch, kl, "_split_kernel")
+    g = torch.Generator(device=device).manual_seed(k + n)
+    for dtype in dtypes(device):
+        a, w, _ = inputs(device, dtype, g, rows_shape, k, n)
+        assert kl.splits(a, w) == want_splits
+        poison_allocator(device)
+        got = linear_partials(a, w)
+        assert got.parts.shape == (want_splits, *rows_shape, n) and got.parts.dtype == torch.float32
+        af, wf = a.float(), w.float()
+        ks = k // want_splits
+        cuts = [slice(i * ks, (i + 1) * ks) for i in range(want_splits)]
+        slices = torch.stack([af[..., cut] @ wf[:, cut].T for cut in cuts])
+        close(got.parts, slices, torch.float32)
+        close(got.total(), af @ wf.T, torch.float32)
+        with pytest.raises(AssertionError):  # mutation: the slices' parts in reverse order
+            close(got.parts, slices.flip(0), torch.float32)
+        with pytest.raises(AssertionError):  # mutation: the last slice dropped
+            close(PartialProduct(got.parts[:-1]).total(), af @ wf.T, torch.float32)
+    assert len(launches) == len(dtypes(device))
+    launches.clear()
+    for rows, width in ((kl.LOOP_ROWS + 1, k), (4, kl.MAX_K)):
+        a, w, _ = inputs(device, dtypes(device)[0], g, (rows,), width, n)
+        assert kl.splits(a, w) == 0
+        got = linear_partials(a, w)
+        assert got.parts.shape == (1, rows, n)
+        close(got.total(), a.float() @ w.float().T, torch.float32)
+    assert not launches
 
 
 @pytest.mark.parametrize("device", DEVICES)
