@@ -267,7 +267,8 @@ def linear_partials(a: torch.Tensor, weight: torch.Tensor) -> PartialProduct:
     """``a @ weight^T`` for ``a (..., k)``, ``weight (n, k)`` as float32 partial products over
     slices of ``k`` (:class:`PartialProduct` ``(S, ..., n)``), for a consumer that adds the
     product to the residual stream (:func:`flashrt.kernels.add_rms_norm`,
-    :func:`flashrt.kernels.add_ada_rms_norm`).
+    :func:`flashrt.kernels.add_ada_rms_norm`, :func:`flashrt.kernels.gated_add`). ``a`` may have
+    any strides (a strided one is read through a contiguous copy).
 
     Where :func:`splits` says so, one launch of ``S`` programs a block of :data:`SPLIT_BN`
     weight rows, each sweeping ``k / S``; elsewhere one part, the float32 product."""
@@ -275,8 +276,7 @@ def linear_partials(a: torch.Tensor, weight: torch.Tensor) -> PartialProduct:
     s = splits(a, weight)
     if not s:
         return PartialProduct(F.linear(a.float(), weight.float()).unsqueeze(0))
-    check_layout("linear_partials", "weight", weight, contiguous=True)
-    a = a.contiguous()
+    a = a.contiguous()  # the weight is (splits takes only contiguous ones)
     n, k = weight.shape
     rows = a.numel() // k
     parts = torch.empty((s, *a.shape[:-1], n), device=a.device, dtype=torch.float32)

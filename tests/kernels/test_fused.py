@@ -120,6 +120,9 @@ def test_norms_add_a_projections_partial_products_in_order(device, monkeypatch):
         h_ref, y_ref = add_rms_norm_reference(x, delta, nw, 1e-6)
         assert torch.equal(h, h_ref) and torch.equal(h_ref, (x.float() + delta.total()).to(dtype))
         close(y, y_ref, dtype)
+        strided = torch.cat([x, x], -1)[..., ::2]  # x's values at stride 2 (an arena-style view)
+        strided.copy_(x)
+        assert torch.equal(add_rms_norm(strided, delta, nw, 1e-6)[0], h)
         with pytest.raises(AssertionError):  # mutation: the last part dropped
             close(h, add_rms_norm_reference(x, dropped, nw, 1e-6)[0], dtype)
         h, y = add_ada_rms_norm(x, delta, gate, mod, 1e-6)
@@ -132,7 +135,7 @@ def test_norms_add_a_projections_partial_products_in_order(device, monkeypatch):
             close(gated_add(x, delta, gate), gated_add_reference(x, dropped.total().to(dtype), gate), dtype)
         if dtype == torch.bfloat16:  # mutation: the float32 sum gated before it is rounded
             assert not torch.equal(h, x + (delta.total() * gate).to(dtype))
-    assert len(launches) == 4 * len(dtypes(device))
+    assert len(launches) == 5 * len(dtypes(device))
 
 
 def test_a_partial_product_of_the_wrong_shape_is_named():

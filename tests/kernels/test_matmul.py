@@ -166,7 +166,10 @@ def test_linear_partials_split_wide_inputs_over_few_rows(device, rows_shape, k, 
             close(got.parts, slices.flip(0), torch.float32)
         with pytest.raises(AssertionError):  # mutation: the last slice dropped
             close(PartialProduct(got.parts[:-1]).total(), af @ wf.T, torch.float32)
-    assert len(launches) == len(dtypes(device))
+        strided = torch.cat([a, a], -1)[..., ::2]  # a's values at stride 2 (an arena-style view)
+        strided.copy_(a)
+        assert torch.equal(linear_partials(strided, w).parts, got.parts)
+    assert len(launches) == 2 * len(dtypes(device))
     launches.clear()
     for rows, width in ((kl.LOOP_ROWS + 1, k), (4, kl.MAX_K)):
         a, w, _ = inputs(device, dtypes(device)[0], g, (rows,), width, n)
