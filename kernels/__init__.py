@@ -26,7 +26,7 @@ from flashrt.kernels.backend import implementation, reference_only, use_triton
 from flashrt.kernels.flow import euler_step, time_embed
 from flashrt.kernels.grouped_attention import attention
 from flashrt.kernels.matmul import PartialProduct, add_matmul, linear, linear_geglu, linear_gelu, linear_partials
-from flashrt.kernels.norm import add_ada_rms_norm, add_layer_norm, add_rms_norm, gated_add
+from flashrt.kernels.norm import add_ada_rms_norm, add_layer_norm, add_partials, add_rms_norm, gated_add
 from flashrt.kernels.norm_linear import rms_norm_geglu, rms_norm_qkv_rope
 from flashrt.kernels.rng import draw_normal_
 from flashrt.kernels.rotary import qkv_rope
@@ -39,6 +39,7 @@ __all__ = [
     "add_ada_rms_norm",
     "add_layer_norm",
     "add_matmul",
+    "add_partials",
     "add_rms_norm",
     "attention",
     "draw_normal_",

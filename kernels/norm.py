@@ -305,6 +305,18 @@ def add_ada_rms_norm(
     return add_ada_rms_norm_reference(x, delta, gate, mod, eps)
 
 
+def add_partials(x: torch.Tensor, delta: PartialProduct) -> torch.Tensor:
+    """``x + delta``: a projection's partial products added to the residual where no norm follows
+    (the last layer of a stack whose adds were deferred), summed in order, added in float32 and
+    rounded once, as :func:`add_rms_norm` adds them. x ``(..., W)``; delta over x's rows."""
+    if not isinstance(delta, PartialProduct):
+        raise TypeError(f"add_partials: delta must be a PartialProduct, got {type(delta).__name__}")
+    _check("add_partials", x, delta)
+    if use_triton(x, delta.parts):
+        return _add_norm_triton(x, delta, None, None, 0.0)[0]
+    return _residual(x, delta)
+
+
 def gated_add(x: torch.Tensor, delta: torch.Tensor | PartialProduct, gate: torch.Tensor) -> torch.Tensor:
     """``x + delta * gate``: pi0.5's gated residual add, rounded as :func:`add_ada_rms_norm` adds.
     x and delta ``(N, T, W)`` (or ``(..., W)`` with a shared gate; delta may be a

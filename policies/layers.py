@@ -8,14 +8,17 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 from torch import nn
 
 from flashrt.kernels import (
+    PartialProduct,
     add_ada_rms_norm,
     add_layer_norm,
     add_matmul,
+    add_partials,
     add_rms_norm,
     attention,
     gated_add,
@@ -125,6 +128,24 @@ class Folded:
         return self.value
 
 
+class Deferred(NamedTuple):
+    """A layer's down projection not yet added to the residual stream: ``x + delta`` (pi0), or
+    ``x + delta * gate`` (pi0.5's gated add, ``gate`` (W,) or (N, W) float32). The next layer's
+    first norm adds it (:meth:`DecoderLayer.forward_deferred`), or :func:`settle` after the last."""
+
+    delta: PartialProduct
+    gate: torch.Tensor | None
+
+
+def settle(x: torch.Tensor, pending: Deferred | None) -> torch.Tensor:
+    """``x`` with a deferred down projection added (``x`` itself where there is none)."""
+    if pending is None:
+        return x
+    if pending.gate is None:
+        return add_partials(x, pending.delta)
+    return gated_add(x, pending.delta, pending.gate)
+
+
 class DecoderLayer(nn.Module):
     """Pre-norm layer: GQA self/cross attention with rotary embeddings, gated (GeGLU) MLP.
 
@@ -137,8 +158,9 @@ class DecoderLayer(nn.Module):
     wider than ``kernels.norm_linear.FUSED_MAX_WIDTH``, or many rows: cuBLAS is faster there) its
     norm, projection and pointwise step run apart, three kernels for one (nine a layer at most).
     Where a projection's input is split over programs (``kernels.matmul.splits``: pi0's 2 048-wide
-    heads at few rows, and pi0.5's 4 096-wide down projection), its float32 partial sums go to the
-    kernel after it, which adds them to the residual (the norm, or pi0.5's gated add).
+    heads and 4 096-wide MLP at few rows), its float32 partial sums go to the kernel after it,
+    which adds them to the residual: the norm, pi0.5's gated add, or for the down projection in a
+    stack of layers (:meth:`forward_deferred`) the next layer's first norm.
     """
 
     def __init__(
@@ -202,23 +224,61 @@ class DecoderLayer(nn.Module):
 
         Unless autograd records through it, the residual stream is updated in place: x is
         overwritten and returned (pass a tensor no one else reads, as every caller here does)."""
+        x, _, k, v = self.forward_deferred(x, None, pos0, inv_freq, context, own_mask, kv_out, mod, defer=False)
+        return x, k, v
+
+    def forward_deferred(
+        self,
+        x: torch.Tensor,
+        pending: Deferred | None,
+        pos0: torch.Tensor,
+        inv_freq: torch.Tensor,
+        context: Sequence[Segment] = (),
+        own_mask: torch.Tensor | None = None,
+        kv_out: torch.Tensor | None = None,
+        mod: torch.Tensor | None = None,
+        *,
+        defer: bool = True,
+    ) -> tuple[torch.Tensor, Deferred | None, torch.Tensor, torch.Tensor]:
+        """:meth:`forward` in a stack of layers: the layer's input is ``x`` plus ``pending`` (the
+        down projection of the layer before, not yet added), and with ``defer`` its own down
+        projection is returned as a :class:`Deferred` where it splits its input over programs
+        (``kernels.matmul.splits``: the 4 096-wide expert MLP of pi0 and pi0.5 at few rows), else
+        added (pending None). Returns ``(x, pending, k, v)``.
+
+        The first norm of the next layer adds a deferred projection in the kernel that reads x
+        anyway, so neither a reduce kernel nor an add runs for it; :func:`settle` adds the last."""
         n, t, _ = x.shape
         n1, n2 = self.norm1, self.norm2
+        if pending is not None and (pending.gate is None) == self.adaptive:
+            raise ValueError(
+                "forward_deferred: a pending projection needs its gate exactly where the layer is adaptive "
+                "(pi0.5); pass the pending that the layer before returned"
+            )
         if self.adaptive:
             if mod is None:
                 raise ValueError("an adaptive (time-conditioned) layer needs its modulation `mod`")
             m1, m2 = mod.unbind(-3)
-            _, y = add_ada_rms_norm(x, None, None, m1, n1.eps)
+            if pending is None:
+                _, y = add_ada_rms_norm(x, None, None, m1, n1.eps)
+            else:
+                x, y = add_ada_rms_norm(x, pending.delta, pending.gate, m1, n1.eps)
             q, k, v = qkv_rope(linear(y, self.qkv_weight()), pos0, inv_freq, self.heads, self.kv_heads, kv_out)
             a = attention_long.attention(q, k, v, own_mask, context).reshape(n, t, -1)
             o = linear_partials(a, self.o.weight) if splits(a, self.o.weight) else linear(a, self.o.weight)
             x, y = add_ada_rms_norm(x, o, m1.select(-2, 2), m2, n2.eps)
             h = linear_geglu(y, self.gate_up.weight)
-            d = linear_partials(h, self.down.weight) if splits(h, self.down.weight) else linear(h, self.down.weight)
-            return gated_add(x, d, m2.select(-2, 2)), k, v
-        q, k, v = rms_norm_qkv_rope(
-            x, n1.scale(), n1.eps, self.qkv_weight(), pos0, inv_freq, self.heads, self.kv_heads, kv_out
-        )
+            if splits(h, self.down.weight):
+                down = Deferred(linear_partials(h, self.down.weight), m2.select(-2, 2))
+                return (x, down, k, v) if defer else (settle(x, down), None, k, v)
+            return gated_add(x, linear(h, self.down.weight), m2.select(-2, 2)), None, k, v
+        if pending is None:
+            q, k, v = rms_norm_qkv_rope(
+                x, n1.scale(), n1.eps, self.qkv_weight(), pos0, inv_freq, self.heads, self.kv_heads, kv_out
+            )
+        else:
+            x, y = add_rms_norm(x, pending.delta, n1.scale(), n1.eps)
+            q, k, v = qkv_rope(linear(y, self.qkv_weight()), pos0, inv_freq, self.heads, self.kv_heads, kv_out)
         a = attention_long.attention(q, k, v, own_mask, context).reshape(n, t, -1)
         if splits(a, self.o.weight):
             x, y = add_rms_norm(x, linear_partials(a, self.o.weight), n2.scale(), n2.eps)
@@ -226,7 +286,9 @@ class DecoderLayer(nn.Module):
         else:
             x = add_matmul(x, a, self.o.weight)
             h = rms_norm_geglu(x, n2.scale(), n2.eps, self.gate_up.weight)
-        return add_matmul(x, h, self.down.weight), k, v
+        if defer and splits(h, self.down.weight):
+            return x, Deferred(linear_partials(h, self.down.weight), None), k, v
+        return add_matmul(x, h, self.down.weight), None, k, v
 
 
 def layer_norm(norm: nn.LayerNorm, x: torch.Tensor, delta: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:

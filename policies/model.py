@@ -54,6 +54,7 @@ from flashrt.policies.layers import (
     layer_norm,
     layer_segments,
     normalize,
+    settle,
     sincos,
     sincos_2d,
 )
@@ -343,15 +344,17 @@ class FlowPolicy(nn.Module):
         return self.action_out(self.expert_norm(h)).float()
 
     def _expert_layers(self, h: torch.Tensor, prefix: Prefix, pos0: torch.Tensor) -> torch.Tensor:
-        """The expert's layers over the prefix (before its final norm): (N, H, E)."""
+        """The expert's layers over the prefix (before its final norm): (N, H, E). Each layer's
+        down projection may be added by the next layer's first norm (``DecoderLayer.forward_deferred``)."""
+        pending = None
         for i, layer in enumerate(self.expert):
             context, weights = layer_segments(prefix, i), layer.fused_weights()
             if expert_layer.fits(h, context, *weights):  # at few slots: one CUDA kernel a layer
-                eps = (layer.norm1.eps, layer.norm2.eps)
+                h, pending, eps = settle(h, pending), None, (layer.norm1.eps, layer.norm2.eps)
                 h = expert_layer.expert_layer(h, pos0, self.inv_freq, context, weights, eps)
             else:
-                h, _, _ = layer(h, pos0, self.inv_freq, context)
-        return h
+                h, pending, _, _ = layer.forward_deferred(h, pending, pos0, self.inv_freq, context)
+        return settle(h, pending)
 
     def _fold_flow(self) -> tuple[torch.Tensor, ...]:
         """The Euler loop's folded float32 weights (see :mod:`flashrt.kernels.flow`): wx (E, A), per-step
@@ -391,10 +394,11 @@ class FlowPolicy(nn.Module):
         if self.cfg.time_cond == "adarms":
             mods, norm_w, w_out, b_out = self._flow.get()
             for s in range(self.cfg.steps):
-                h = linear(x.to(self.dtype), self.action_in.weight, self.action_in.bias)
+                h, pending = linear(x.to(self.dtype), self.action_in.weight, self.action_in.bias), None
                 for i, layer in enumerate(self.expert):
-                    h, _, _ = layer(h, pos0, self.inv_freq, layer_segments(prefix, i), mod=mods[s, i])
-                x = euler_step(x, h, norm_w[s], w_out, b_out[s], eps)
+                    segments = layer_segments(prefix, i)
+                    h, pending, _, _ = layer.forward_deferred(h, pending, pos0, self.inv_freq, segments, mod=mods[s, i])
+                x = euler_step(x, settle(h, pending), norm_w[s], w_out, b_out[s], eps)
         else:
             wx, bias, w_out, b_out = self._flow.get()
             for s in range(self.cfg.steps):

@@ -20,6 +20,7 @@ from flashrt.kernels.norm import (
     add_layer_norm,
     add_layer_norm_reference,
     add_layer_norm_triton,
+    add_partials,
     add_rms_norm,
     add_rms_norm_reference,
     add_rms_norm_triton,
@@ -99,8 +100,8 @@ def test_adaptive_norm_and_gated_add_match_pi05s_reference(device, per_slot, mon
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_norms_add_a_projections_partial_products_in_order(device, monkeypatch):
-    """A PartialProduct delta (4 float32 parts, pi0's expert rows): add_rms_norm adds their sum
-    in float32 and rounds once; pi0.5's gated add and adaptive norm round the sum first, then
+    """A PartialProduct delta (4 float32 parts, pi0's expert rows): add_rms_norm and add_partials
+    add their sum in float32 and round once; pi0.5's gated add and adaptive norm round the sum first, then
     gate it; the residual sums exactly as the references. The same comparisons fail against the
     sum without its last part and, in bf16, against the sum gated before its rounding."""
     if device == "cpu":
@@ -135,7 +136,11 @@ def test_norms_add_a_projections_partial_products_in_order(device, monkeypatch):
             close(gated_add(x, delta, gate), gated_add_reference(x, dropped.total().to(dtype), gate), dtype)
         if dtype == torch.bfloat16:  # mutation: the float32 sum gated before it is rounded
             assert not torch.equal(h, x + (delta.total() * gate).to(dtype))
-    assert len(launches) == 5 * len(dtypes(device))
+        added = add_partials(x, delta)
+        assert torch.equal(added, (x.float() + delta.total()).to(dtype))
+        with pytest.raises(AssertionError):
+            close(added, add_partials(x, dropped), dtype)
+    assert len(launches) == 7 * len(dtypes(device))
 
 
 def test_a_partial_product_of_the_wrong_shape_is_named():
@@ -146,6 +151,8 @@ def test_a_partial_product_of_the_wrong_shape_is_named():
         gated_add(x, PartialProduct(torch.zeros(2, 1, 5, 8, dtype=torch.float64)), torch.zeros(8))
     with pytest.raises(TypeError, match="add_rms_norm takes a PartialProduct"):
         add_layer_norm(x, PartialProduct(torch.zeros(2, 1, 5, 8)), w, w)
+    with pytest.raises(TypeError, match="add_partials: delta must be a PartialProduct, got Tensor"):
+        add_partials(x, x)
 
 
 def test_adaptive_norm_names_a_modulation_of_the_wrong_shape():

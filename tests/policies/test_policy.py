@@ -244,3 +244,35 @@ def test_deployment_digest_names_the_kernel_implementation(monkeypatch):
     before = deployment_digest(model, "w")
     monkeypatch.setattr(kernels, "implementation", lambda device: "triton")
     assert deployment_digest(model, "w") != before  # outputs of the two agree to rounding only
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_deferred_down_projections_add_up_to_the_layer_stack(adaptive, monkeypatch):
+    """A stack whose down projections each wait for the next layer's first norm (pi0's and
+    pi0.5's expert where the projection splits, forced here on the CPU) gives the stack of plain
+    layers; the same comparison fails when each pending projection is dropped. A pending without
+    the gate an adaptive layer needs, or with one a plain layer cannot use, is refused."""
+    import flashrt.policies.layers as pl
+
+    monkeypatch.setattr(pl, "splits", lambda a, w: 2)
+    torch.manual_seed(0)
+    w, n, t = 48, 2, 5
+    layers = [pl.DecoderLayer(w, 2, 1, 32, 96, cond_dim=16 if adaptive else None) for _ in range(3)]
+    x = torch.randn(n, t, w)
+    pos0, inv_freq = torch.tensor([3, 9]), 1.0 / 10000 ** (torch.arange(16) / 16)
+    mods = [1 + 0.3 * torch.randn(2, 3, w) for _ in layers] if adaptive else [None] * 3
+    with torch.no_grad():
+        want = x.clone()
+        for layer, mod in zip(layers, mods, strict=True):
+            want, _, _ = layer(want, pos0, inv_freq, mod=mod)
+        h, pending, dropped = x.clone(), None, x.clone()
+        for layer, mod in zip(layers, mods, strict=True):
+            h, pending, _, _ = layer.forward_deferred(h, pending, pos0, inv_freq, mod=mod)
+            assert isinstance(pending, pl.Deferred) and (pending.gate is not None) == adaptive
+            dropped, _, _, _ = layer.forward_deferred(dropped, None, pos0, inv_freq, mod=mod)
+        torch.testing.assert_close(pl.settle(h, pending), want, atol=1e-5, rtol=1e-5)
+        with pytest.raises(AssertionError):  # mutation: every pending down projection dropped
+            torch.testing.assert_close(dropped, want, atol=1e-5, rtol=1e-5)
+        wrong = pl.Deferred(pending.delta, None if adaptive else torch.ones(w))
+        with pytest.raises(ValueError, match="needs its gate exactly where the layer is adaptive"):
+            layers[0].forward_deferred(h, wrong, pos0, inv_freq, mod=mods[0])
