@@ -19,7 +19,8 @@ run:
   times the measured replay cost of one graph node;
 - where the time goes: the step's kernels by total GPU time (one eager call, kernels on), and
   inside one replay of the kernels graph by marginal time (what each adds to the chain when
-  dependent launches overlap).
+  dependent launches overlap); the same for the step's two halves captured apart (encoding the
+  observation, the prefix; denoising the chunk, the expert's Euler steps).
 
 ``lerobot_pi0`` / ``lerobot_pi05`` (``--exact``) are LeRobot's pi0 / pi0.5 at full size with
 their exact computation (what the converter produces; random weights, and the tests' small
@@ -167,7 +168,13 @@ def bench(preset: str, n: int, reps: int, do_compile: bool, rates: dict, save: C
             rec[f"{name}_capture_s"] = time.perf_counter() - t
         rec[f"{name}_graph_ms"] = wall_ms(lambda g=g: g.replay(n), reps)
         if name == "kernels":
-            rec["graph_top_kernels"] = graph_kernels(lambda g=g: g.replay(n))
+            rec["graph_top_kernels"] = graph_kernels(lambda g=g: g.replay(n), top=40)
+        del g
+    for phase, fn in (("encode", p.encode_observation), ("denoise", p.denoise)):  # the step's two halves
+        g = Graph(f"{preset}-{phase}").bind(p.bufs)
+        g.capture(n, fn)
+        rec[f"{phase}_graph_ms"] = wall_ms(lambda g=g: g.replay(n), reps)
+        rec[f"{phase}_top_kernels"] = graph_kernels(lambda g=g: g.replay(n), top=20)
         del g
     rec["graph_chunks_per_s"] = n / rec["kernels_graph_ms"] * 1e3
     rec.update(floors(model, n, step, rates))
@@ -236,7 +243,10 @@ def main() -> None:
             f"{r['launch_floor_ms']:.3f} | {r['graph_chunks_per_s']:9.0f}"
         )
     for r in rows:
-        print(f"top kernels in the graph, {r['preset']} batch {r['batch']} (us marginal, us busy, calls):")
+        print(
+            f"top kernels in the graph, {r['preset']} batch {r['batch']} (encode {r['encode_graph_ms']:.3f} ms, "
+            f"denoise {r['denoise_graph_ms']:.3f} ms apart; us marginal, us busy, calls):"
+        )
         for k in r["graph_top_kernels"]["top"][:6]:
             print(f"  {k['marginal_us']:9.1f} {k['busy_us']:9.1f} {k['calls']:5d}  {k['kernel']}")
     print(f"wrote {args.out}")
