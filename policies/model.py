@@ -58,6 +58,7 @@ from flashrt.policies.layers import (
     sincos,
     sincos_2d,
 )
+from flashrt.runtime.streams import Event, Stream, beside
 
 
 class FlowPolicy(nn.Module):
@@ -290,20 +291,27 @@ class FlowPolicy(nn.Module):
             own = torch.cat([ones, text[1], ones[:, : x.shape[1] - c.image_tokens - c.max_text_len]], dim=1)
         kv = self._kv_cache(x, c.frame_tokens) if kv_out is None else kv_out
         kvs = []
+        state = c.state_token == "suffix"
+        if state:
+            s = self.state_proj(self.normalize_state(proprio).to(self.dtype))[:, None]  # (N, 1, E)
+            pos = pos0 + x.shape[1] if c.text_block else pos0 + c.image_tokens + text[1].sum(1)
+        # Writing into a cache (no autograd), the state token's layer i runs on a stream of its own
+        # as soon as the prefix's layer i is done, beside the prefix's later layers: the same
+        # kernels in the same order, so the same bytes.
+        side = Stream(x.device) if state and kv is not None and not torch.compiler.is_compiling() else None
         for i, layer in enumerate(self.prefix):
             out = None if kv is None else kv[:, i, :, :, : x.shape[1]]
             x, k, v = layer(x, pos0, self.inv_freq, layer_segments(context, i), own_mask=own, kv_out=out)
             kvs.append((k, v))
-        feats = self.prefix_norm(x).mean(1, dtype=torch.float32)
-        if c.state_token == "suffix":
-            s = self.state_proj(self.normalize_state(proprio).to(self.dtype))[:, None]  # (N, 1, E)
-            pos = pos0 + x.shape[1] if c.text_block else pos0 + c.image_tokens + text[1].sum(1)
-            for i, layer in enumerate(self.expert):
-                k, v = kvs[i]
-                segments = [*layer_segments(context, i), (k, v, own)]
-                out = None if kv is None else kv[:, i, :, :, -1:]
-                s, k1, v1 = layer(s, pos, self.inv_freq, segments, kv_out=out)
+            if state:
+                with beside(side, s, pos, *([] if own is None else [own])):
+                    out = None if kv is None else kv[:, i, :, :, -1:]
+                    segments = [*layer_segments(context, i), (k, v, own)]
+                    s, k1, v1 = self.expert[i](s, pos, self.inv_freq, segments, kv_out=out)
                 kvs[i] = (torch.cat([k, k1], 2), torch.cat([v, v1], 2)) if kv is None else kvs[i]
+        if side is not None:
+            Stream.current(x.device).wait(Event.record_on(side))
+        feats = self.prefix_norm(x).mean(1, dtype=torch.float32)
         return self._stack(kv, kvs), feats
 
     # -- action expert -------------------------------------------------------------------------

@@ -7,6 +7,7 @@ so a stream is a no-op context and an event is complete as soon as it is recorde
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from types import TracebackType
 
 import torch
@@ -70,3 +71,23 @@ class Event:
         """Block the host until the event has completed."""
         if self.cuda is not None:
             self.cuda.synchronize()
+
+
+@contextlib.contextmanager
+def beside(stream: Stream | None, *reads: torch.Tensor) -> Iterator[Stream | None]:
+    """Queue the block's work on ``stream`` after all the work queued so far on the current
+    stream: a fork, which the caller joins with ``current.wait(Event.record_on(stream))``. With
+    None the block runs in place, on the current stream.
+
+    ``reads``: tensors allocated on the current stream that the block reads. Their memory is not
+    handed out again before ``stream``'s work is done, however soon they are freed
+    (``Tensor.record_stream``)."""
+    if stream is None:
+        yield None
+        return
+    stream.wait(Event.record_on(Stream.current(stream.device)))
+    if stream.cuda is not None:
+        for t in reads:
+            t.record_stream(stream.cuda)
+    with stream:
+        yield stream

@@ -15,6 +15,7 @@ from flashrt.runtime import (
     restore,
     snapshot,
 )
+from flashrt.runtime.streams import Event, Stream, beside
 from tests.runtime import toy
 from tests.runtime.filebytes import edited
 
@@ -239,3 +240,30 @@ def test_a_bad_file_never_reaches_cuda_buffers(tmp_path):
         restore(b, whole)
     torch.cuda.synchronize()
     assert toy.same_state(b, before)
+
+
+@pytest.mark.parametrize(("captured", "forked"), [(False, True), (True, True), (False, False)])
+def test_work_beside_the_current_stream_runs_after_what_was_queued_before_it(captured, forked):
+    """``beside`` forks: the side stream's copy reads what the current stream wrote before it,
+    behind a ~50 ms spin, eagerly and in a captured graph. The mutation (the side stream made
+    current without the fork's wait) copies before the write."""
+    src, dst = torch.zeros(1 << 20, device="cuda"), torch.full((1 << 20,), -1.0, device="cuda")
+    side = Stream("cuda")
+
+    def work() -> None:
+        torch.cuda._sleep(100_000_000)
+        src.fill_(1.0)
+        with beside(side) if forked else side:
+            dst.copy_(src)
+        Stream.current("cuda").wait(Event.record_on(side))
+
+    if captured:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            work()
+        torch.cuda.synchronize()
+        g.replay()
+    else:
+        work()
+    torch.cuda.synchronize()
+    assert bool((dst == 1.0).all()) == forked
