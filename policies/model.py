@@ -304,7 +304,7 @@ class FlowPolicy(nn.Module):
             x, k, v = layer(x, pos0, self.inv_freq, layer_segments(context, i), own_mask=own, kv_out=out)
             kvs.append((k, v))
             if state:
-                with beside(side, s, pos, *([] if own is None else [own])):
+                with beside(side, s, pos, own):
                     out = None if kv is None else kv[:, i, :, :, -1:]
                     segments = [*layer_segments(context, i), (k, v, own)]
                     s, k1, v1 = self.expert[i](s, pos, self.inv_freq, segments, kv_out=out)

@@ -74,13 +74,13 @@ class Event:
 
 
 @contextlib.contextmanager
-def beside(stream: Stream | None, *reads: torch.Tensor) -> Iterator[Stream | None]:
+def beside(stream: Stream | None, *reads: torch.Tensor | None) -> Iterator[Stream | None]:
     """Queue the block's work on ``stream`` after all the work queued so far on the current
     stream: a fork, which the caller joins with ``current.wait(Event.record_on(stream))``. With
     None the block runs in place, on the current stream.
 
-    ``reads``: tensors allocated on the current stream that the block reads. Their memory is not
-    handed out again before ``stream``'s work is done, however soon they are freed
+    ``reads``: tensors allocated on the current stream that the block reads (None: skipped). Their
+    memory is not handed out again before ``stream``'s work is done, however soon they are freed
     (``Tensor.record_stream``)."""
     if stream is None:
         yield None
@@ -88,6 +88,7 @@ def beside(stream: Stream | None, *reads: torch.Tensor) -> Iterator[Stream | Non
     stream.wait(Event.record_on(Stream.current(stream.device)))
     if stream.cuda is not None:
         for t in reads:
-            t.record_stream(stream.cuda)
+            if t is not None:
+                t.record_stream(stream.cuda)
     with stream:
         yield stream
