@@ -54,10 +54,21 @@ def add_rms_norm_reference(
 
 
 def add_layer_norm_reference(
-    x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor, eps: float
+    x: torch.Tensor,
+    delta: torch.Tensor | None,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    eps: float,
+    delta_bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Torch reference: ``h = x + delta``; ``y = F.layer_norm(h, weight, bias)``."""
-    h = x if delta is None else x + delta
+    """Torch reference: ``h = x + delta`` (``x + (delta + delta_bias)`` in float32, rounded once,
+    with a ``delta_bias``); ``y = F.layer_norm(h, weight, bias)``."""
+    if delta is None:
+        h = x
+    elif delta_bias is None:
+        h = x + delta
+    else:
+        h = (x.float() + (delta.float() + delta_bias.float())).to(x.dtype)
     return h, F.layer_norm(h, h.shape[-1:], weight, bias, eps)
 
 
@@ -93,13 +104,16 @@ if triton is not None:
 
     @triton.jit
     def _add_norm_kernel(
-        x, delta, gate, weight, bias, h_out, y_out, rows, delta_rows, slot_rows, width, eps, s_w, s_b, s_wn, s_gn,
-        HAS_DELTA: tl.constexpr, GATED: tl.constexpr, NORM: tl.constexpr, LAYER: tl.constexpr,
-        SHIFT: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, SPLITS: tl.constexpr, GDC: tl.constexpr,
+        x, delta, delta_bias, gate, weight, bias, h_out, y_out, rows, delta_rows, slot_rows, width, eps,
+        s_w, s_b, s_wn, s_gn, s_db,
+        HAS_DELTA: tl.constexpr, DELTA_BIAS: tl.constexpr, GATED: tl.constexpr, NORM: tl.constexpr,
+        LAYER: tl.constexpr, SHIFT: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, SPLITS: tl.constexpr,
+        GDC: tl.constexpr,
     ):  # fmt: skip
         # Row r belongs to slot r // slot_rows: the gate's and the (modulated) weight's row of it
         # (strides s_gn, s_wn; 0 where every slot shares one). SPLITS > 0: delta is that many
-        # float32 partial products (SPLITS, rows, width), summed in order.
+        # float32 partial products (SPLITS, rows, width), summed in order. DELTA_BIAS: the
+        # projection's bias, added to delta in float32 before x.
         inputs_ready(GDC)
         row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
         slot = (row // slot_rows)[:, None]
@@ -120,7 +134,10 @@ if triton is not None:
                     d = _rounded(d, h.dtype)
                 g = _rounded(tl.load(gate + slot * s_gn + cols[None, :], mask=m, other=0.0), h.dtype)
                 d = _rounded(d.to(tl.float32) * g, h.dtype)
-            h = (h.to(tl.float32) + d.to(tl.float32)).to(h.dtype)
+            d = d.to(tl.float32)
+            if DELTA_BIAS:
+                d += tl.load(delta_bias + cols * s_db, mask=cols < width, other=0.0).to(tl.float32)[None, :]
+            h = (h.to(tl.float32) + d).to(h.dtype)
             tl.store(h_out + off, h, mask=m)
         if NORM:
             hf = h.to(tl.float32)
@@ -149,9 +166,11 @@ def _add_norm_triton(
     *,
     gate: torch.Tensor | None = None,
     layer: bool = False,
+    delta_bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Launch the kernel: ``weight`` None skips the norm (``y`` None); ``bias`` is LayerNorm's
-    (``layer``) or the adaptive shift; a 2-D ``weight``/``bias``/``gate`` has a row per slot of x."""
+    (``layer``) or the adaptive shift; a 2-D ``weight``/``bias``/``gate`` has a row per slot of x;
+    ``delta_bias`` (W,) is added to delta (LayerNorm's residual)."""
     width = x.shape[-1]
     x = x.contiguous()
     splits = 0
@@ -171,6 +190,7 @@ def _add_norm_triton(
         _add_norm_kernel[(programs,)](
             x,
             stand_in if delta is None else delta.contiguous(),
+            stand_in if delta_bias is None else delta_bias,
             stand_in if gate is None else gate,
             stand_in if weight is None else weight,
             stand_in if bias is None else bias,
@@ -185,7 +205,9 @@ def _add_norm_triton(
             1 if bias is None else bias.stride(-1),
             weight.stride(0) if weight is not None and weight.dim() == 2 else 0,
             gate.stride(0) if gate is not None and gate.dim() == 2 else 0,
+            1 if delta_bias is None else delta_bias.stride(-1),
             HAS_DELTA=delta is not None,
+            DELTA_BIAS=delta is not None and delta_bias is not None,
             GATED=gate is not None,
             NORM=weight is not None,
             LAYER=layer,
@@ -208,10 +230,15 @@ def add_rms_norm_triton(
 
 
 def add_layer_norm_triton(
-    x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor, eps: float
+    x: torch.Tensor,
+    delta: torch.Tensor | None,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    eps: float,
+    delta_bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The Triton kernel (called by :func:`add_layer_norm` on CUDA)."""
-    return _add_norm_triton(x, delta, weight, bias, eps, layer=True)
+    return _add_norm_triton(x, delta, weight, bias, eps, layer=True, delta_bias=delta_bias)
 
 
 def _check(name: str, x: torch.Tensor, delta: Delta, *params: torch.Tensor) -> None:
@@ -249,18 +276,34 @@ def _tensor(delta: torch.Tensor | PartialProduct) -> torch.Tensor:
 
 
 def add_layer_norm(
-    x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor, eps: float = 1e-6
+    x: torch.Tensor,
+    delta: torch.Tensor | None,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    eps: float = 1e-6,
+    delta_bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(h, y)``: the residual sum ``h = x + delta`` (``x`` if ``delta`` is None) and its
     LayerNorm with ``weight`` and ``bias``, over the last dimension. Shapes as :func:`add_rms_norm`
-    (a tensor delta)."""
+    (a tensor delta).
+
+    ``delta_bias`` ``(W,)``: the bias of the projection that made ``delta``, left out of it and
+    added here (``x + (delta + delta_bias)`` in float32, rounded once). cuBLAS's matmul with a bias
+    epilogue picks slower kernels at SigLIP's shapes than the plain one (docs/PERFORMANCE.md)."""
     if isinstance(delta, PartialProduct):
         raise TypeError("add_layer_norm: delta must be a tensor; add_rms_norm takes a PartialProduct")
     _check("add_layer_norm", x, delta, weight, bias)
-    tensors = (x, weight, bias) if delta is None else (x, delta, weight, bias)
+    if delta_bias is not None and delta is None:
+        raise ValueError("add_layer_norm: a delta_bias needs the delta it belongs to; pass both or neither")
+    if delta_bias is not None and delta_bias.shape != x.shape[-1:]:
+        raise ValueError(
+            f"add_layer_norm: delta_bias must be ({x.shape[-1]},), the bias of the projection that made delta, "
+            f"got {tuple(delta_bias.shape)}"
+        )
+    tensors = [t for t in (x, delta, weight, bias, delta_bias) if t is not None]
     if use_triton(*tensors) and x.dtype == weight.dtype == bias.dtype:
-        return add_layer_norm_triton(x, delta, weight, bias, eps)
-    return add_layer_norm_reference(x, delta, weight, bias, eps)
+        return add_layer_norm_triton(x, delta, weight, bias, eps, delta_bias)
+    return add_layer_norm_reference(x, delta, weight, bias, eps, delta_bias)
 
 
 def _check_modulation(name: str, x: torch.Tensor, t: torch.Tensor, what: str, rows: int) -> None:

@@ -116,10 +116,11 @@ def _tiles(d: int, itemsize: int, rows: int, sms: int) -> tuple[int, int, int, i
     """Launch shape ``(BM, BN, num_warps, num_stages)`` for ``rows`` query rows (all heads'
     blocks together) on ``sms`` SMs: 64 x 64 tiles in 16-bit dtypes, at head dim 256 as 128-row
     blocks of 8 warps where those still fill every SM (pi0 from batch 8), else as 64-row blocks
-    of 4 warps (batch 1; docs/PERFORMANCE.md). float32 tiles shrink so the query block and two
-    stages of key and value blocks stay within ~100 KB of shared memory (an H100 block has 227 KB)."""
+    of 4 warps in 3 stages (batch 1; docs/PERFORMANCE.md). float32 tiles shrink so the query block
+    and two stages of key and value blocks stay within ~100 KB of shared memory (an H100 block has
+    227 KB)."""
     if itemsize <= 2 and d > 128:
-        return (128, 64, 8, 2) if triton.cdiv(rows, 128) >= sms else (64, 64, 4, 2)
+        return (128, 64, 8, 2) if triton.cdiv(rows, 128) >= sms else (64, 64, 4, 3)
     if itemsize <= 2 or d <= 64:
         return 64, 64, 8 if d > 64 else 4, 2
     return (64, 32, 8, 2) if d <= 128 else (32, 32, 8, 1)

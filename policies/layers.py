@@ -291,9 +291,17 @@ class DecoderLayer(nn.Module):
         return add_matmul(x, h, self.down.weight), None, k, v
 
 
-def layer_norm(norm: nn.LayerNorm, x: torch.Tensor, delta: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+class Biased(NamedTuple):
+    """A projection's output with its bias not yet added: the LayerNorm that adds it to the
+    residual stream adds the bias too (:func:`flashrt.kernels.add_layer_norm`'s ``delta_bias``)."""
+
+    product: torch.Tensor
+    bias: torch.Tensor | None
+
+
+def layer_norm(norm: nn.LayerNorm, x: torch.Tensor, delta: Biased) -> tuple[torch.Tensor, torch.Tensor]:
     """``(x + delta, norm(x + delta))`` (one fused kernel on CUDA)."""
-    return add_layer_norm(x, delta, norm.weight, norm.bias, norm.eps)
+    return add_layer_norm(x, delta.product, norm.weight, norm.bias, norm.eps, delta.bias)
 
 
 class VisionBlock(nn.Module):
@@ -301,7 +309,8 @@ class VisionBlock(nn.Module):
 
     The residual stream arrives as ``x + delta``, the previous block's MLP output not yet added:
     each add runs inside the norm kernel that reads its sum (so does the position embedding's,
-    in the first block). At a few frames every kernel is Triton (projections from
+    in the first block), and so does each add of the output and second MLP projections' biases
+    (:class:`Biased`). At a few frames every kernel is Triton (projections from
     :mod:`flashrt.kernels.matmul`, attention from :mod:`flashrt.kernels.grouped_attention`), so inside a graph
     each launches dependent; at many, cuBLAS and SDPA's fused kernels run.
     """
@@ -314,7 +323,7 @@ class VisionBlock(nn.Module):
         self.o = nn.Linear(width, width)
         self.fc1, self.fc2 = nn.Linear(width, mlp), nn.Linear(mlp, width)
 
-    def forward(self, x: torch.Tensor, delta: torch.Tensor | None, patches: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, delta: Biased, patches: int) -> tuple[torch.Tensor, Biased]:
         """x (N, C*P, W) and the pending ``delta`` (x's shape or its trailing dims) -> the block's
         output as the same pair (the stream is their sum); attention runs within each image of
         ``patches`` tokens."""
@@ -323,8 +332,8 @@ class VisionBlock(nn.Module):
         qkv = linear(h, self.qkv.weight, self.qkv.bias)
         q, k, v = qkv.view(n * t // patches, patches, 3, self.heads, w // self.heads).permute(2, 0, 3, 1, 4)
         attn = attention(q, k, v, None).reshape(n, t, w)  # (N*C, P, heads, w/heads) -> (N, C*P, W)
-        x, h = layer_norm(self.norm2, x, linear(attn, self.o.weight, self.o.bias))
-        return x, linear(linear_gelu(h, self.fc1.weight, self.fc1.bias), self.fc2.weight, self.fc2.bias)
+        x, h = layer_norm(self.norm2, x, Biased(linear(attn, self.o.weight), self.o.bias))
+        return x, Biased(linear(linear_gelu(h, self.fc1.weight, self.fc1.bias), self.fc2.weight), self.fc2.bias)
 
 
 def sincos(t: torch.Tensor, dim: int, min_period: float = 4e-3, max_period: float = 4.0) -> torch.Tensor:

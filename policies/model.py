@@ -45,6 +45,7 @@ from flashrt.kernels import (
 from flashrt.policies.config import PolicyConfig
 from flashrt.policies.layers import (
     AdaRMSNorm,
+    Biased,
     DecoderLayer,
     Folded,
     Prefix,
@@ -249,7 +250,7 @@ class FlowPolicy(nn.Module):
         x = image.to(self.dtype) * (2.0 / 255.0) - 1.0
         x = x.view(n * c.num_cameras, g, ps, g, ps, 3).permute(0, 1, 3, 2, 4, 5).reshape(n * c.num_cameras, g * g, -1)
         x = linear(x, self.patch_embed.weight, self.patch_embed.bias).view(n, c.num_cameras * c.patches, -1)
-        delta = self.vision_pos.view(c.num_cameras * c.patches, -1)  # added to every slot by the first norm
+        delta = Biased(self.vision_pos.view(c.num_cameras * c.patches, -1), None)  # every slot's, by the first norm
         for block in self.vision:
             x, delta = block(x, delta, c.patches)
         x = linear(layer_norm(self.vision_norm, x, delta)[1], self.projector.weight, self.projector.bias)  # (N, C*P, D)

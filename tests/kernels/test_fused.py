@@ -63,6 +63,31 @@ def test_add_rms_norm_and_add_layer_norm(device, rows, width):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(("rows", "width"), [(21, 256), (5, 1152)])
+def test_layer_norm_adds_the_bias_of_the_projection_that_made_its_delta(device, rows, width):
+    """``delta_bias``, read at its stride, is added to the delta in float32 and the sum to x,
+    rounded once, as the reference does; the residual matches ``x + F.linear(a, W, bias)`` to the
+    dtype's rounding. The same comparison fails with the bias reversed and with it left out."""
+    g = torch.Generator(device=device).manual_seed(width + rows)
+    for dtype in dtypes(device):
+        x = (1 + torch.randn(3, rows, width, device=device, generator=g)).to(dtype)
+        a = torch.randn(3, rows, 64, device=device, generator=g).to(dtype)
+        weight = (torch.randn(width, 64, device=device, generator=g) / 8).to(dtype)
+        strided = torch.randn(2 * width, device=device, generator=g).to(dtype)[::2]  # a bias at stride 2
+        w, b = ((1 + 0.1 * torch.randn(width, device=device, generator=g)).to(dtype) for _ in range(2))
+        delta = torch.nn.functional.linear(a, weight)
+        poison_allocator(device)
+        h, y = add_layer_norm_triton(x, delta, w, b, 1e-5, strided)
+        h_ref, y_ref = add_layer_norm_reference(x, delta, w, b, 1e-5, strided.contiguous())
+        assert torch.equal(h, h_ref)
+        close(y, y_ref, dtype)
+        close(h, x + torch.nn.functional.linear(a, weight, strided), dtype)
+        for wrong in (strided.flip(0), torch.zeros_like(strided)):
+            with pytest.raises(AssertionError):
+                close(h, add_layer_norm_reference(x, delta, w, b, 1e-5, wrong)[0], dtype)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("per_slot", [False, True])
 def test_adaptive_norm_and_gated_add_match_pi05s_reference(device, per_slot, monkeypatch):
     """pi0.5's gated residual add and adaptive RMSNorm (scale and shift from a modulation, one
@@ -169,6 +194,10 @@ def test_norm_residuals_must_match_x_or_its_trailing_dims():
     x, w = torch.zeros(2, 3, 8), torch.ones(8)
     with pytest.raises(ValueError, match="trailing dims"):
         add_layer_norm(x, torch.zeros(2, 8), w, w)
+    with pytest.raises(ValueError, match=r"delta_bias must be \(8,\), the bias of the projection that made delta"):
+        add_layer_norm(x, x, w, w, delta_bias=torch.ones(4))
+    with pytest.raises(ValueError, match="delta_bias needs the delta it belongs to"):
+        add_layer_norm(x, None, w, w, delta_bias=w)
     with pytest.raises(ValueError, match=r"must be \(8,\)"):
         add_rms_norm(x, None, torch.ones(4))
 
