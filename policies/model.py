@@ -250,7 +250,8 @@ class FlowPolicy(nn.Module):
         x = image.to(self.dtype) * (2.0 / 255.0) - 1.0
         x = x.view(n * c.num_cameras, g, ps, g, ps, 3).permute(0, 1, 3, 2, 4, 5).reshape(n * c.num_cameras, g * g, -1)
         x = linear(x, self.patch_embed.weight, self.patch_embed.bias).view(n, c.num_cameras * c.patches, -1)
-        delta = Biased(self.vision_pos.view(c.num_cameras * c.patches, -1), None)  # every slot's, by the first norm
+        # the position embedding, added to every slot by the first block's norm
+        delta = Biased(self.vision_pos.view(c.num_cameras * c.patches, -1), None)
         for block in self.vision:
             x, delta = block(x, delta, c.patches)
         x = linear(layer_norm(self.vision_norm, x, delta)[1], self.projector.weight, self.projector.bias)  # (N, C*P, D)
