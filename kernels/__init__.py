@@ -13,7 +13,7 @@ module                           kernels
 ``kernels.rotary``               QKV split + rotary embedding, keys/values written into cache views
 ``kernels.norm_linear``          RMSNorm + projection + its consumer (rotary split, or GeGLU) in one pass
 ``kernels.matmul``               few-row projection (+ GELU, + GeGLU), added onto the residual, or as split-k partials
-``kernels.grouped_attention``    grouped-query attention over context segments and own keys, read in place
+``kernels.grouped_attention``    grouped-query attention over context segments and own keys in place, rotary on load
 ``kernels.flow``                 folded time embedding, and final norm + output projection + Euler update
 ``kernels.rng``                  per-slot counter-based Gaussian noise (draw + counter bump); slot keys, reseeds
 ``kernels.slot_copy``            masked row copy / gather (restore, autoreset) and row scatter (fork)
@@ -32,7 +32,7 @@ from flashrt.kernels.rng import draw_normal_
 from flashrt.kernels.rotary import qkv_rope
 from flashrt.kernels.slot_copy import masked_copy_rows, masked_copy_rows_reference, scatter_rows
 
-__version__ = "0.18.0"  # bump when a kernel's numerics change: capsules name the version they were made with
+__version__ = "0.19.0"  # bump when a kernel's numerics change: capsules name the version they were made with
 
 __all__ = [
     "PartialProduct",

@@ -15,7 +15,9 @@ before and after). With few query rows (a group of at most 32) and few slots, th
 into 16-row programs, so the group's heads run on separate SMs, and each reads all its keys (up
 to a 32 KB block) at once. At head dims above 128 (pi0's 256) each source instead starts on a
 key block of its own and is swept by a loop of its own, whose rows are one buffer's: a partial
-block per source costs less there than looking each key's row up in its source. With few
+block per source costs less there than looking each key's row up in its source; there the
+queries and each key block are held as their two halves, the product over the second half
+accumulated onto the first's. With few
 programs and many key blocks (pi0's expert at one slot: 13 programs, 15 blocks of 64 keys each)
 the keys are split over more programs (two blocks each at head dim 256), whose softmax states a
 second kernel merges. With 3 or more key blocks after the last per-token-masked source, those
@@ -24,6 +26,13 @@ expanded ``(N, 1)``, stride 0) is read once per program rather than per key. Pro
 tensor cores in the inputs' dtype (bf16), in full float32 for float32 inputs. The output is
 written as ``(N, Tq, h, d)``: the layout the output projection reads. Rows with every key masked
 out return zeros (SDPA: NaN).
+
+With ``rope`` tables, the queries and own keys arrive unrotated (views of the q/k/v projection,
+:func:`flashrt.kernels.rotary.split_heads`) and are rotated here: where the own keys are swept by
+a loop of their own (head dims above 128, :func:`rotates_on_load`) the kernel rotates each query
+row and own key row as it loads it, with :func:`flashrt.kernels.rotary.rotated`'s rounding, so no
+rotary kernel runs between the projection and the attention (pi0's expert: one a layer, 180 a
+step); elsewhere they are rotated by torch ops first.
 """
 
 from __future__ import annotations
@@ -35,13 +44,28 @@ import torch
 import torch.nn.functional as F
 
 from flashrt.kernels.backend import dependent_launch, layout_problem, sm_count, tl, triton, use_triton
+from flashrt.kernels.rotary import rotate
 
 Segment = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
 """A context segment: keys and values ``(N, g, T, d)`` and a bool mask ``(N, T)`` (None: all
 keys valid; any strides, e.g. an expanded per-slot flag)."""
 
 MAX_SEGMENTS = 3  # context segments one kernel launch reads in place; more are concatenated first
+PER_SOURCE_DIM = 128  # head dims above this sweep each source by a loop of its own
 COMBINE_DIMS = 64  # head dims one program of the split-merge kernel takes
+
+
+Rope = tuple[torch.Tensor, torch.Tensor]
+"""cos and sin tables ``(N, 1, T, d/2)`` in the queries' dtype for the queries' T tokens
+(:func:`flashrt.kernels.rotary.rope_tables`)."""
+
+
+def rotates_on_load(d: int) -> bool:
+    """Whether the Triton kernel rotates queries and own keys as it loads them at head dim ``d``:
+    where the own keys are swept by a loop of their own, so a loaded key row is a token's row.
+    Elsewhere :func:`attention`'s ``rope`` costs torch ops (a caller rotates with
+    :func:`flashrt.kernels.qkv_rope` instead)."""
+    return d > PER_SOURCE_DIM
 
 
 def _split_blocks(d: int) -> int:
@@ -65,8 +89,11 @@ def attention_reference(
     v: torch.Tensor,
     mask: torch.Tensor | None,
     context: Sequence[Segment] = (),
+    rope: Rope | None = None,
 ) -> torch.Tensor:
-    """Torch reference of :func:`attention` (concatenation + SDPA)."""
+    """Torch reference of :func:`attention` (rotation, concatenation + SDPA)."""
+    if rope is not None:
+        q, k = rotate(q, *rope), rotate(k, *rope)
     if context:
         k, v, mask = _concat([*context, (k, v, mask)])
     m = None if mask is None else mask[:, None, None, :]
@@ -76,6 +103,21 @@ def attention_reference(
 
 if triton is not None:
     from flashrt.kernels.backend import inputs_ready
+    from flashrt.kernels.rotary import rotated
+
+    @triton.jit
+    def _halves(rows, tokens, live, cs, sn, sc_t, ROPE: tl.constexpr, D: tl.constexpr):
+        """The two halves (R, D/2) of the rows at pointers ``rows`` (R,), zeros where not
+        ``live``; with ROPE each row rotated by its token's row of the cos / sin tables
+        (``tokens`` (R,), table rows ``sc_t`` apart)."""
+        half = tl.arange(0, D // 2)
+        m = live[:, None]
+        a = tl.load(rows[:, None] + half[None, :], mask=m, other=0.0)
+        b = tl.load(rows[:, None] + D // 2 + half[None, :], mask=m, other=0.0)
+        if ROPE:
+            at = tokens[:, None] * sc_t + half[None, :]
+            a, b = rotated(a, b, tl.load(cs + at, mask=m, other=0.0), tl.load(sn + at, mask=m, other=0.0))
+        return a, b
 
     @triton.jit
     def _row(rows, seg, i: tl.constexpr, base, local, s_t):
@@ -89,18 +131,21 @@ if triton is not None:
 
     @triton.jit
     def _sweep(
-        acc, m_i, l_i, qb, lo, hi, TK, scale,
+        acc, m_i, l_i, q0, q1, lo, hi, TK, scale,
         k0, v0, m0, f0, sk0, sv0, sm0,
         k1, v1, m1, f1, e1, sk1, sv1, sm1,
         k2, v2, m2, f2, e2, sk2, sv2, sm2,
-        k3, v3, m3, f3, e3, sk3, sv3, sm3,
+        k3, v3, m3, f3, e3, sk3, sv3, sm3, cs, sn, sc_t,
         SOURCES: tl.constexpr, TOKENS: tl.constexpr, FLAGS: tl.constexpr, ALIGNED: tl.constexpr,
-        BN: tl.constexpr, D: tl.constexpr, PRECISION: tl.constexpr,
+        HALVES: tl.constexpr, ROPE: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, PRECISION: tl.constexpr,
     ):  # fmt: skip
-        # Keys lo .. hi of the sources' one sequence through the online softmax. k_i / v_i / m_i:
+        # Keys lo .. hi of the sources' one sequence through the online softmax (with HALVES the
+        # queries come as their two halves q0, q1 and each key block is read as its halves, so
+        # a rotation never joins them; else q0 is the queries). k_i / v_i / m_i:
         # source i's rows and mask of this program's slot and key/value head; it starts at key
         # e_i (e_0 = 0). Bit i of TOKENS: load source i's per-token mask here; of FLAGS: source
-        # i's mask is one per-slot flag, f_i, loaded once by the caller.
+        # i's mask is one per-slot flag, f_i, loaded once by the caller. With ROPE (HALVES, one
+        # source, the own keys: key i is token i) each key row is rotated by the tables cs / sn.
         dims = tl.arange(0, D)
         for start in range(lo, hi, BN):
             cols = start + tl.arange(0, BN)
@@ -125,8 +170,14 @@ if triton is not None:
             if ALIGNED:  # every key/value row starts on 16 bytes: vector loads, pipelined (cp.async)
                 kr = tl.multiple_of(kr, 16)
                 vr = tl.multiple_of(vr, 16)
-            kb = tl.load(kr[:, None] + dims[None, :], mask=inside[:, None], other=0.0)
-            s = tl.dot(qb, tl.trans(kb), input_precision=PRECISION) * scale  # (BM, BN), log2 units
+            if HALVES:  # the product over the second half accumulates onto the first's
+                ka, kb = _halves(kr, cols, inside, cs, sn, sc_t, ROPE, D)
+                s = tl.dot(q0, tl.trans(ka), input_precision=PRECISION)
+                s = tl.dot(q1, tl.trans(kb), s, input_precision=PRECISION)
+            else:
+                s = tl.dot(q0, tl.trans(tl.load(kr[:, None] + dims[None, :], mask=inside[:, None], other=0.0)),
+                           input_precision=PRECISION)  # fmt: skip
+            s = s * scale  # (BM, BN), log2 units
             valid = inside
             if TOKENS & 1:
                 valid = _token_mask(valid, seg, 0, m0, cols, sm0)
@@ -164,18 +215,19 @@ if triton is not None:
 
     @triton.jit
     def _one_source(
-        acc, m_i, l_i, qb, lo, hi, start, length, scale, k, v, m, f, sk, sv, sm,
-        TOKENS: tl.constexpr, FLAGS: tl.constexpr, ALIGNED: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
-        PRECISION: tl.constexpr,
+        acc, m_i, l_i, q0, q1, lo, hi, start, length, scale, k, v, m, f, sk, sv, sm, cs, sn, sc_t,
+        TOKENS: tl.constexpr, FLAGS: tl.constexpr, ALIGNED: tl.constexpr, ROPE: tl.constexpr, BN: tl.constexpr,
+        D: tl.constexpr, PRECISION: tl.constexpr,
     ):  # fmt: skip
         """The keys of one source, which starts at key ``start`` of the block-padded sequence,
-        that fall in this program's keys lo .. hi: a sweep whose rows are one buffer's."""
+        that fall in this program's keys lo .. hi: a sweep whose rows are one buffer's, read as
+        halves (the queries' halves q0, q1), rotated as they load with ROPE."""
         a = tl.maximum(lo - start, 0)
         b = tl.minimum(hi - start, length)
         return _sweep(
-            acc, m_i, l_i, qb, a, b, length, scale, k, v, m, f, sk, sv, sm,
+            acc, m_i, l_i, q0, q1, a, b, length, scale, k, v, m, f, sk, sv, sm,
             k, v, m, f, length, sk, sv, sm, k, v, m, f, length, sk, sv, sm, k, v, m, f, length, sk, sv, sm,
-            1, TOKENS, FLAGS, ALIGNED, BN, D, PRECISION,
+            cs, sn, sc_t, 1, TOKENS, FLAGS, ALIGNED, True, ROPE, BN, D, PRECISION,
         )  # fmt: skip
 
     @triton.jit
@@ -185,9 +237,9 @@ if triton is not None:
         k1, v1, m1, e1, sk1_n, sk1_g, sk1_t, sv1_n, sv1_g, sv1_t, sm1_n, sm1_t,
         k2, v2, m2, e2, sk2_n, sk2_g, sk2_t, sv2_n, sv2_g, sv2_t, sm2_n, sm2_t,
         k3, v3, m3, e3, sk3_n, sk3_g, sk3_t, sv3_n, sv3_g, sv3_t, sm3_n, sm3_t, TK, TM, CHUNK,
-        n0, n1, n2, n3,
+        n0, n1, n2, n3, cs, sn, sc_n, sc_t,
         SOURCES: tl.constexpr, TOKENS: tl.constexpr, FLAGS: tl.constexpr, ALIGNED: tl.constexpr,
-        TWO_LOOPS: tl.constexpr, PER_SOURCE: tl.constexpr, SPLIT: tl.constexpr,
+        TWO_LOOPS: tl.constexpr, PER_SOURCE: tl.constexpr, ROPE: tl.constexpr, SPLIT: tl.constexpr,
         BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, GDC: tl.constexpr, PRECISION: tl.constexpr,
     ):  # fmt: skip
         # Sources 0 .. SOURCES-1 (context segments, then the own block) form one sequence of TK
@@ -197,6 +249,8 @@ if triton is not None:
         # sequence of TK padded keys, and is swept by a loop of its own.
         # Program (i, j, s) takes keys s*CHUNK .. (s+1)*CHUNK; with SPLIT its softmax state
         # (acc, max, sum) goes to ``part`` for _combine_kernel, else the output to ``out``.
+        # With ROPE (PER_SOURCE only) the queries and the own keys are rotated as they are
+        # loaded, by the slot's rows of the cos / sin tables cs / sn (token t at row t).
         inputs_ready(GDC)  # every input is an earlier kernel's output
         pid_nk = tl.program_id(1)
         n = (pid_nk // (H // G)).to(tl.int64)  # G = h / g query heads per key/value head
@@ -206,9 +260,13 @@ if triton is not None:
         head = kvh * G + rows // TQ
         t = rows % TQ
         dims = tl.arange(0, D)
-        qb = tl.load(
-            q + n * sq_n + head[:, None] * sq_h + t[:, None] * sq_t + dims[None, :], mask=live[:, None], other=0.0
-        )
+        cs, sn = cs + n * sc_n, sn + n * sc_n
+        q_rows = q + n * sq_n + head * sq_h + t * sq_t
+        if PER_SOURCE:  # the queries as halves: rotated ones are never joined
+            q0, q1 = _halves(q_rows, t, live, cs, sn, sc_t, ROPE, D)
+        else:
+            q0 = tl.load(q_rows[:, None] + dims[None, :], mask=live[:, None], other=0.0)
+            q1 = q0
         k0, v0, m0 = k0 + n * sk0_n + kvh * sk0_g, v0 + n * sv0_n + kvh * sv0_g, m0 + n * sm0_n
         k1, v1, m1 = k1 + n * sk1_n + kvh * sk1_g, v1 + n * sv1_n + kvh * sv1_g, m1 + n * sm1_n
         k2, v2, m2 = k2 + n * sk2_n + kvh * sk2_g, v2 + n * sv2_n + kvh * sv2_g, m2 + n * sm2_n
@@ -235,19 +293,19 @@ if triton is not None:
             for i in tl.static_range(SOURCES):
                 k, v, m, f, e, length, sk, sv, sm = own[i]
                 acc, m_i, l_i = _one_source(
-                    acc, m_i, l_i, qb, lo, hi, e, length, scale, k, v, m, f, sk, sv, sm,
-                    TOKENS >> i & 1, FLAGS >> i & 1, ALIGNED, BN, D, PRECISION,
+                    acc, m_i, l_i, q0, q1, lo, hi, e, length, scale, k, v, m, f, sk, sv, sm, cs, sn, sc_t,
+                    TOKENS >> i & 1, FLAGS >> i & 1, ALIGNED, ROPE and i == SOURCES - 1, BN, D, PRECISION,
                 )  # fmt: skip
         elif TWO_LOOPS:
             acc, m_i, l_i = _sweep(
-                acc, m_i, l_i, qb, lo, tl.minimum(hi, TM), TK, scale, *sources,
-                SOURCES, TOKENS, FLAGS, ALIGNED, BN, D, PRECISION,
+                acc, m_i, l_i, q0, q1, lo, tl.minimum(hi, TM), TK, scale, *sources, cs, sn, sc_t,
+                SOURCES, TOKENS, FLAGS, ALIGNED, False, False, BN, D, PRECISION,
             )  # fmt: skip
             lo = tl.maximum(lo, TM)
         if not PER_SOURCE:
             acc, m_i, l_i = _sweep(
-                acc, m_i, l_i, qb, lo, hi, TK, scale, *sources,
-                SOURCES, 0 if TWO_LOOPS else TOKENS, FLAGS, ALIGNED, BN, D, PRECISION,
+                acc, m_i, l_i, q0, q1, lo, hi, TK, scale, *sources, cs, sn, sc_t,
+                SOURCES, 0 if TWO_LOOPS else TOKENS, FLAGS, ALIGNED, False, False, BN, D, PRECISION,
             )  # fmt: skip
         if SPLIT:  # part: (splits, N*g, rows, D + 2) float32, rows padded to BM
             at = part + ((tl.program_id(2) * tl.num_programs(1) + pid_nk) * tl.num_programs(0) * BM + rows) * (D + 2)
@@ -317,22 +375,32 @@ def attention_triton(
     v: torch.Tensor,
     mask: torch.Tensor | None,
     context: Sequence[Segment] = (),
+    rope: Rope | None = None,
 ) -> torch.Tensor:
     """The Triton kernel (called by :func:`attention` on CUDA): takes the strides of q, of every
-    segment's keys, values and mask, and of the own ones (e.g. slot buffers' views, a mask
-    expanded from a per-slot flag); keys without a unit last stride take the reference."""
+    segment's keys, values and mask, of the own ones (e.g. slot buffers' views, a mask expanded
+    from a per-slot flag) and of the ``rope`` tables; keys or tables without a unit last stride
+    take the reference."""
     n, h, tq, d = q.shape
     g = k.shape[1]
     if len(context) > MAX_SEGMENTS:
         context = [_concat(context)]
     sources = [*context, (k, v, mask)]
-    if d & (d - 1) or d < 16 or any(layout_problem(x, unit=(-1,)) for x in (q, *(t for s in sources for t in s[:2]))):
-        return attention_reference(q, k, v, mask, context)
+    tables = () if rope is None else rope
+    if (
+        d & (d - 1)
+        or d < 16
+        or any(layout_problem(x, unit=(-1,)) for x in (q, *tables, *(t for s in sources for t in s[:2])))
+    ):
+        return attention_reference(q, k, v, mask, context, rope)
+    if rope is not None and not rotates_on_load(d):
+        q, k, rope = rotate(q, *rope), rotate(k, *rope), None
+        sources[-1] = (k, v, mask)
     out = q.new_empty((n, tq, h, d))
     group, sms = h // g, sm_count(q.device)
     keys = sum(src[0].shape[2] for src in sources)
     bm, bn, warps, stages = _tiles(group * tq, n * g, keys, d, q.element_size(), sms)
-    per_source = d > 128  # each source on blocks of its own: its rows are one buffer's
+    per_source = d > PER_SOURCE_DIM  # each source on blocks of its own: its rows are one buffer's
     args, tokens, flags, start, token_end, lengths = [], 0, 0, 0, 0, []
     for i, (sk, sv, sm) in enumerate([*sources, *[sources[-1]] * (MAX_SEGMENTS + 1 - len(sources))]):
         real = i < len(sources)
@@ -365,11 +433,14 @@ def attention_triton(
     chunk = triton.cdiv(max(blocks, 1), splits) * bn
     splits = triton.cdiv(start, chunk)
     part = out if splits == 1 else q.new_empty((splits, grid[1], grid[0] * bm, d + 2), dtype=torch.float32)
+    cs, sn = rope if rope is not None else (q, q)  # any tensor stands in for absent tables
+    sc = (cs.stride(0), cs.stride(2)) if rope is not None else (0, 0)
     if n * tq:
         _attention_kernel[(*grid, splits)](
             q, out, part, tq, h, group, math.log2(math.e) / math.sqrt(d), *q.stride()[:3], *args, start,
-            triton.cdiv(token_end, bn) * bn, chunk, *lengths, SOURCES=len(sources), TOKENS=tokens, FLAGS=flags,
-            ALIGNED=aligned, TWO_LOOPS=two_loops, PER_SOURCE=per_source, SPLIT=splits > 1, BM=bm, BN=bn, D=d,
+            triton.cdiv(token_end, bn) * bn, chunk, *lengths, cs, sn, *sc, SOURCES=len(sources), TOKENS=tokens,
+            FLAGS=flags, ALIGNED=aligned, TWO_LOOPS=two_loops, PER_SOURCE=per_source, ROPE=rope is not None,
+            SPLIT=splits > 1, BM=bm, BN=bn, D=d,
             PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=warps, num_stages=stages,
             **dependent_launch(q.device, programs * splits),
         )  # fmt: skip
@@ -388,6 +459,7 @@ def attention(
     v: torch.Tensor,
     mask: torch.Tensor | None,
     context: Sequence[Segment] = (),
+    rope: Rope | None = None,
 ) -> torch.Tensor:
     """Softmax attention of queries over [context segments; own] keys/values.
 
@@ -398,6 +470,10 @@ def attention(
         context: segments ``(k_i, v_i, mask_i)`` with ``(N, g, T_i, d)`` keys/values and an
             ``(N, T_i)`` bool mask or None, attended before the own keys, in order; each is read
             in place (up to three per launch, more are concatenated first).
+        rope: cos and sin tables ``(N, 1, Tq, d/2)`` in q's dtype
+            (:func:`flashrt.kernels.rotary.rope_tables`): q and the own keys (the same Tq tokens)
+            arrive unrotated, and are rotated by them (token t by row t), as
+            :func:`flashrt.kernels.qkv_rope` would have; context keys are used as they are.
 
     Returns:
         ``(N, Tq, h, d)`` (a view with that shape from the reference).
@@ -411,6 +487,19 @@ def attention(
         if cm is not None and cm.shape != ck.shape[:1] + ck.shape[2:3]:
             want = (ck.shape[0], ck.shape[2])
             raise ValueError(f"attention: context segment {i}'s mask is {tuple(cm.shape)}; it must be {want}")
+    if rope is not None:
+        want = (n, 1, q.shape[2], d // 2)
+        if k.shape[2] != q.shape[2]:
+            raise ValueError(
+                f"attention: rope rotates the own keys at the queries' positions, but there are {k.shape[2]} own "
+                f"keys for {q.shape[2]} queries; rotate them apart (flashrt.kernels.qkv_rope) and pass rope=None"
+            )
+        for name, table in zip(("cos", "sin"), rope, strict=True):
+            if table.shape != want or table.dtype != q.dtype:
+                raise ValueError(
+                    f"attention: the rope {name} table is {tuple(table.shape)} {table.dtype}; it must be {want} "
+                    f"{q.dtype} (flashrt.kernels.rotary.rope_tables for the queries' tokens in their dtype)"
+                )
     masks = [("the own mask", mask)] + [(f"context segment {i}'s mask", cm) for i, (_, _, cm) in enumerate(context)]
     for what, m in masks:
         if m is not None and m.dtype != torch.bool:  # SDPA would read a float mask as an additive bias
@@ -420,6 +509,7 @@ def attention(
     # SDPA's fused kernels (the vision tower at many frames); below that, where each call is a
     # launch's latency, this kernel runs, launched dependent inside a graph.
     plain_at_scale = not context and mask is None and n * h > sm_count(q.device)
-    if use_triton(q, k, v, *extra) and not plain_at_scale:
-        return attention_triton(q, k, v, mask, context)
-    return attention_reference(q, k, v, mask, context)
+    tables = () if rope is None else rope
+    if use_triton(q, k, v, *extra, *tables) and not plain_at_scale:
+        return attention_triton(q, k, v, mask, context, rope)
+    return attention_reference(q, k, v, mask, context, rope)

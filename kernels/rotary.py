@@ -7,6 +7,11 @@ inverse frequencies), rotates queries and keys (rotate-half convention) and writ
 layer of a key/value cache, so no table, split, concatenation or cache copy runs apart from it.
 Rounding follows the reference: tables rounded to the input dtype, each product and the sum
 rounded as bf16 torch arithmetic does.
+
+Where the queries' attention rotates queries and own keys as it loads them
+(:func:`flashrt.kernels.grouped_attention.rotates_on_load`), the projection is only viewed as
+heads (:func:`split_heads`) and the rotation's tables are made once (:func:`rope_tables`), with
+the same rounding (:func:`rotated`).
 """
 
 from __future__ import annotations
@@ -20,6 +25,28 @@ def rope_angles(pos: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -
     """cos, sin ``(N, 1, T, d/2)`` in ``dtype`` for integer positions ``pos (N, T)``."""
     ang = pos.float()[:, None, :, None] * inv_freq
     return ang.cos().to(dtype), ang.sin().to(dtype)
+
+
+def rope_tables(
+    pos0: torch.Tensor, length: int, inv_freq: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin ``(N, 1, T, d/2)`` in ``dtype`` for tokens ``t < length`` at positions
+    ``pos0 + t``: what attention rotates queries and own keys by as it loads them (made once
+    for a whole Euler loop, whose token positions do not change)."""
+    check_positions(pos0, pos0.shape[0], "rope_tables")
+    return rope_angles(pos0[:, None] + torch.arange(length, device=pos0.device), inv_freq, dtype)
+
+
+def split_heads(qkv: torch.Tensor, heads: int, kv_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Views of ``qkv (N, T, (h + 2g) d)`` as q ``(N, h, T, d)`` and k, v ``(N, g, T, d)``,
+    unrotated (no copy): :func:`qkv_rope` without the rotation, for an attention that rotates
+    on load."""
+    n, t, width = qkv.shape
+    d = width // (heads + 2 * kv_heads)
+    if width != (heads + 2 * kv_heads) * d:
+        raise ValueError(f"split_heads: last dim {width} is not (heads + 2 kv_heads) * head dim")
+    x = qkv.view(n, t, heads + 2 * kv_heads, d).transpose(1, 2)
+    return x[:, :heads], x[:, heads : heads + kv_heads], x[:, heads + kv_heads :]
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -74,17 +101,25 @@ def qkv_rope_reference(
     kv_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Torch reference of :func:`qkv_rope`."""
-    n, t, _ = qkv.shape
     kv_out = kv_destination(*qkv.shape, qkv.dtype, qkv.device, heads, kv_heads, kv_out)
-    x = qkv.view(n, t, heads + 2 * kv_heads, -1).transpose(1, 2)
-    cos, sin = rope_angles(pos0[:, None] + torch.arange(t, device=qkv.device), inv_freq, qkv.dtype)
-    q = rotate(x[:, :heads], cos, sin)
-    kv_out[:, 0].copy_(rotate(x[:, heads : heads + kv_heads], cos, sin))
-    kv_out[:, 1].copy_(x[:, heads + kv_heads :])
-    return q, kv_out[:, 0], kv_out[:, 1]
+    q, k, v = split_heads(qkv, heads, kv_heads)
+    cos, sin = rope_tables(pos0, qkv.shape[1], inv_freq, qkv.dtype)
+    kv_out[:, 0].copy_(rotate(k, cos, sin))
+    kv_out[:, 1].copy_(v)
+    return rotate(q, cos, sin), kv_out[:, 0], kv_out[:, 1]
 
 
 if triton is not None:
+
+    @triton.jit
+    def rotated(a, b, c, s):
+        """Halves ``a``, ``b`` of rows rotated by ``c``, ``s`` (cos and sin in ``a``'s dtype):
+        ``(a c - b s, b c + a s)`` rounded as :func:`rotate` rounds in that dtype, each product
+        and then the sum (never contracted into a fused multiply-add)."""
+        af, bf, cf, sf = a.to(tl.float32), b.to(tl.float32), c.to(tl.float32), s.to(tl.float32)
+        ra = ((af * cf).to(a.dtype).to(tl.float32) - (bf * sf).to(a.dtype).to(tl.float32)).to(a.dtype)
+        rb = ((bf * cf).to(a.dtype).to(tl.float32) + (af * sf).to(a.dtype).to(tl.float32)).to(a.dtype)
+        return ra, rb
 
     @triton.jit
     def store_head(
@@ -99,11 +134,7 @@ if triton is not None:
         if j < HEADS + KV_HEADS:
             pos = (tl.load(pos0 + n * s_pos, mask=live, other=0) + t).to(tl.float32)
             ang = pos[:, None] * tl.load(inv_freq + cols * s_freq)[None, :]
-            c = tl.cos(ang).to(a.dtype).to(tl.float32)
-            s = tl.sin(ang).to(a.dtype).to(tl.float32)
-            af, bf = a.to(tl.float32), b.to(tl.float32)
-            ra = ((af * c).to(a.dtype).to(tl.float32) - (bf * s).to(a.dtype).to(tl.float32)).to(a.dtype)
-            rb = ((bf * c).to(a.dtype).to(tl.float32) + (af * s).to(a.dtype).to(tl.float32)).to(a.dtype)
+            ra, rb = rotated(a, b, tl.cos(ang).to(a.dtype), tl.sin(ang).to(a.dtype))
             if j < HEADS:
                 dst = q_out + ((n * HEADS + j) * T + t)[:, None] * 2 * HALF + cols[None, :]
             else:

@@ -27,7 +27,8 @@ import torch
 
 from flashrt.kernels import attention as few_row_attention
 from flashrt.kernels.backend import sm_count, tl, triton, use_triton
-from flashrt.kernels.grouped_attention import Segment
+from flashrt.kernels.grouped_attention import Rope, Segment
+from flashrt.kernels.rotary import rotate
 
 VERSION = 2
 """Bumped when this kernel's numerics or routing change: deployment digests name it (a capsule
@@ -162,10 +163,14 @@ def attention(
     v: torch.Tensor,
     mask: torch.Tensor | None,
     context: Sequence[Segment] = (),
+    rope: Rope | None = None,
 ) -> torch.Tensor:
     """Softmax attention of ``q`` (N, h, Tq, d) over [context segments; own keys/values]
-    (N, g, T, d) with bool key masks (N, T) (None: all valid): :func:`flashrt.kernels.attention`'s
-    contract (returns (N, Tq, h, d)), through this kernel where :func:`fits`, else through it."""
+    (N, g, T, d) with bool key masks (N, T) (None: all valid), q and the own keys rotated by
+    ``rope``'s tables where given: :func:`flashrt.kernels.attention`'s contract (returns
+    (N, Tq, h, d)), through this kernel where :func:`fits` (rotated first), else through it."""
     if fits(q, k, v, mask, context):
+        if rope is not None:
+            q, k = rotate(q, *rope), rotate(k, *rope)
         return attention_triton(q, k, v, mask, context)
-    return few_row_attention(q, k, v, mask, context)
+    return few_row_attention(q, k, v, mask, context, rope)

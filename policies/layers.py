@@ -29,8 +29,9 @@ from flashrt.kernels import (
     rms_norm_geglu,
     rms_norm_qkv_rope,
 )
-from flashrt.kernels.grouped_attention import Segment
+from flashrt.kernels.grouped_attention import Rope, Segment
 from flashrt.kernels.matmul import linear_partials, splits
+from flashrt.kernels.rotary import split_heads
 from flashrt.policies import attention_long
 
 Prefix = Sequence[tuple[torch.Tensor, torch.Tensor]]
@@ -239,7 +240,8 @@ class DecoderLayer(nn.Module):
         mod: torch.Tensor | None = None,
         *,
         defer: bool = True,
-    ) -> tuple[torch.Tensor, Deferred | None, torch.Tensor, torch.Tensor]:
+        rope: Rope | None = None,
+    ) -> tuple[torch.Tensor, Deferred | None, torch.Tensor | None, torch.Tensor | None]:
         """:meth:`forward` in a stack of layers: the layer's input is ``x`` plus ``pending`` (the
         down projection of the layer before, not yet added), and with ``defer`` its own down
         projection is returned as a :class:`Deferred` where it splits its input over programs
@@ -247,9 +249,20 @@ class DecoderLayer(nn.Module):
         added (pending None). Returns ``(x, pending, k, v)``.
 
         The first norm of the next layer adds a deferred projection in the kernel that reads x
-        anyway, so neither a reduce kernel nor an add runs for it; :func:`settle` adds the last."""
+        anyway, so neither a reduce kernel nor an add runs for it; :func:`settle` adds the last.
+
+        ``rope``: the rotation tables of the tokens at ``pos0 + t``
+        (:func:`flashrt.kernels.rotary.rope_tables`, made once for a stack's calls). The
+        attention then rotates queries and keys as it loads them from the q/k/v projection, so
+        no rotary kernel runs between (where :func:`flashrt.kernels.grouped_attention.rotates_on_load`
+        holds); the keys are then never stored, and k and v are returned as None."""
         n, t, _ = x.shape
         n1, n2 = self.norm1, self.norm2
+        if rope is not None and kv_out is not None:
+            raise ValueError(
+                "forward_deferred: rope rotates keys inside attention and stores none, but kv_out asks for them; "
+                "pass one or the other"
+            )
         if pending is not None and (pending.gate is None) == self.adaptive:
             raise ValueError(
                 "forward_deferred: a pending projection needs its gate exactly where the layer is adaptive "
@@ -263,8 +276,7 @@ class DecoderLayer(nn.Module):
                 _, y = add_ada_rms_norm(x, None, None, m1, n1.eps)
             else:
                 x, y = add_ada_rms_norm(x, pending.delta, pending.gate, m1, n1.eps)
-            q, k, v = qkv_rope(linear(y, self.qkv_weight()), pos0, inv_freq, self.heads, self.kv_heads, kv_out)
-            a = attention_long.attention(q, k, v, own_mask, context).reshape(n, t, -1)
+            a, k, v = self._attend(linear(y, self.qkv_weight()), pos0, inv_freq, context, own_mask, kv_out, rope)
             o = linear_partials(a, self.o.weight) if splits(a, self.o.weight) else linear(a, self.o.weight)
             x, y = add_ada_rms_norm(x, o, m1.select(-2, 2), m2, n2.eps)
             h = linear_geglu(y, self.gate_up.weight)
@@ -272,14 +284,17 @@ class DecoderLayer(nn.Module):
                 down = Deferred(linear_partials(h, self.down.weight), m2.select(-2, 2))
                 return (x, down, k, v) if defer else (settle(x, down), None, k, v)
             return gated_add(x, linear(h, self.down.weight), m2.select(-2, 2)), None, k, v
-        if pending is None:
+        if pending is None and rope is None:  # norm, projection and rotation: one kernel at narrow rows
             q, k, v = rms_norm_qkv_rope(
                 x, n1.scale(), n1.eps, self.qkv_weight(), pos0, inv_freq, self.heads, self.kv_heads, kv_out
             )
+            a = attention_long.attention(q, k, v, own_mask, context).reshape(n, t, -1)
         else:
-            x, y = add_rms_norm(x, pending.delta, n1.scale(), n1.eps)
-            q, k, v = qkv_rope(linear(y, self.qkv_weight()), pos0, inv_freq, self.heads, self.kv_heads, kv_out)
-        a = attention_long.attention(q, k, v, own_mask, context).reshape(n, t, -1)
+            if pending is None:
+                y = add_rms_norm(x, None, n1.scale(), n1.eps)[1]
+            else:
+                x, y = add_rms_norm(x, pending.delta, n1.scale(), n1.eps)
+            a, k, v = self._attend(linear(y, self.qkv_weight()), pos0, inv_freq, context, own_mask, kv_out, rope)
         if splits(a, self.o.weight):
             x, y = add_rms_norm(x, linear_partials(a, self.o.weight), n2.scale(), n2.eps)
             h = linear_geglu(y, self.gate_up.weight)
@@ -289,6 +304,26 @@ class DecoderLayer(nn.Module):
         if defer and splits(h, self.down.weight):
             return x, Deferred(linear_partials(h, self.down.weight), None), k, v
         return add_matmul(x, h, self.down.weight), None, k, v
+
+    def _attend(
+        self,
+        qkv: torch.Tensor,
+        pos0: torch.Tensor,
+        inv_freq: torch.Tensor,
+        context: Sequence[Segment],
+        own_mask: torch.Tensor | None,
+        kv_out: torch.Tensor | None,
+        rope: Rope | None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """Attention of the projected tokens ``qkv`` (N, T, (h + 2g) d): its output (N, T, h d)
+        and the own keys and values; with ``rope`` the heads are rotated inside the attention
+        and the keys and values are None."""
+        n, t, _ = qkv.shape
+        if rope is None:
+            q, k, v = qkv_rope(qkv, pos0, inv_freq, self.heads, self.kv_heads, kv_out)
+            return attention_long.attention(q, k, v, own_mask, context).reshape(n, t, -1), k, v
+        q, k, v = split_heads(qkv, self.heads, self.kv_heads)
+        return attention_long.attention(q, k, v, own_mask, context, rope).reshape(n, t, -1), None, None
 
 
 class Biased(NamedTuple):

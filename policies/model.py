@@ -42,6 +42,8 @@ from flashrt.kernels import (
     linear,
     time_embed,
 )
+from flashrt.kernels.grouped_attention import Rope, rotates_on_load
+from flashrt.kernels.rotary import rope_tables
 from flashrt.policies.config import PolicyConfig
 from flashrt.policies.layers import (
     AdaRMSNorm,
@@ -353,9 +355,12 @@ class FlowPolicy(nn.Module):
         h = self._expert_layers(h, prefix, pos0)
         return self.action_out(self.expert_norm(h)).float()
 
-    def _expert_layers(self, h: torch.Tensor, prefix: Prefix, pos0: torch.Tensor) -> torch.Tensor:
+    def _expert_layers(
+        self, h: torch.Tensor, prefix: Prefix, pos0: torch.Tensor, rope: Rope | None = None
+    ) -> torch.Tensor:
         """The expert's layers over the prefix (before its final norm): (N, H, E). Each layer's
-        down projection may be added by the next layer's first norm (``DecoderLayer.forward_deferred``)."""
+        down projection may be added by the next layer's first norm (``DecoderLayer.forward_deferred``);
+        with ``rope`` (the tokens' rotation tables) each layer's attention rotates its heads."""
         pending = None
         for i, layer in enumerate(self.expert):
             context, weights = layer_segments(prefix, i), layer.fused_weights()
@@ -363,7 +368,7 @@ class FlowPolicy(nn.Module):
                 h, pending, eps = settle(h, pending), None, (layer.norm1.eps, layer.norm2.eps)
                 h = expert_layer.expert_layer(h, pos0, self.inv_freq, context, weights, eps)
             else:
-                h, pending, _, _ = layer.forward_deferred(h, pending, pos0, self.inv_freq, context)
+                h, pending, _, _ = layer.forward_deferred(h, pending, pos0, self.inv_freq, context, rope=rope)
         return settle(h, pending)
 
     def _fold_flow(self) -> tuple[torch.Tensor, ...]:
@@ -397,23 +402,31 @@ class FlowPolicy(nn.Module):
 
         Per step: folded time embedding, time_out, the expert's layers, then one kernel for the
         final norm, output projection and update ``x <- x - v / steps`` (pi0.5: the action
-        embedding, the expert's layers under that step's folded modulations, the same update)."""
+        embedding, the expert's layers under that step's folded modulations, the same update).
+        The action tokens' positions are the same in every step: where the expert's attention
+        rotates its heads as it loads them (head dims above 128), their rotation tables are made
+        once here."""
         x = noise.float().contiguous()
         pos0 = self._action_start(prefix, frame)
         eps = self.expert_norm.eps
+        rope = None
+        if rotates_on_load(self.expert[0].head_dim):
+            rope = rope_tables(pos0, x.shape[1], self.inv_freq, self.dtype)
         if self.cfg.time_cond == "adarms":
             mods, norm_w, w_out, b_out = self._flow.get()
             for s in range(self.cfg.steps):
                 h, pending = linear(x.to(self.dtype), self.action_in.weight, self.action_in.bias), None
                 for i, layer in enumerate(self.expert):
                     segments = layer_segments(prefix, i)
-                    h, pending, _, _ = layer.forward_deferred(h, pending, pos0, self.inv_freq, segments, mod=mods[s, i])
+                    h, pending, _, _ = layer.forward_deferred(
+                        h, pending, pos0, self.inv_freq, segments, mod=mods[s, i], rope=rope
+                    )
                 x = euler_step(x, settle(h, pending), norm_w[s], w_out, b_out[s], eps)
         else:
             wx, bias, w_out, b_out = self._flow.get()
             for s in range(self.cfg.steps):
                 h = time_embed(x, wx, bias[s], self.dtype)
-                h = self._expert_layers(linear(h, self.time_out.weight, self.time_out.bias), prefix, pos0)
+                h = self._expert_layers(linear(h, self.time_out.weight, self.time_out.bias), prefix, pos0, rope)
                 x = euler_step(x, h, self.expert_norm.scale(), w_out, b_out, eps)
         return self.unnormalize_actions(x)
 

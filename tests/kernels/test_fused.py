@@ -557,6 +557,68 @@ def test_plain_self_attention_takes_the_kernel_only_below_one_head_per_sm(device
         assert bool(launches) == kernel
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(("heads", "d", "context", "on_load"), [(8, 256, (48, 140), True), (4, 64, (16, 65), False)])
+def test_attention_rotates_queries_and_own_keys_by_rope_tables(device, heads, d, context, on_load, monkeypatch):
+    """Queries and own keys arrive as unrotated views of the q/k/v projection with the rotation
+    tables of their positions. At pi0's head dim 256 the kernel rotates them as it loads them
+    (a ROPE launch), at 64 torch rotates them first; both match ``qkv_rope``'s rotation followed
+    by the reference attention. Mutations, each the same comparison: tables one position later
+    (visible because the context keys keep the positions they were rotated at), and own keys
+    left unrotated."""
+    import flashrt.kernels.grouped_attention as ga
+    from flashrt.kernels.rotary import rope_tables, split_heads
+
+    kernel, ropes = ga._attention_kernel, []
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                ropes.append(kwargs["ROPE"])
+                return kernel[grid](*args, **kwargs)
+
+            return launch
+
+    monkeypatch.setattr(ga, "_attention_kernel", Spy())
+    g = torch.Generator(device=device).manual_seed(d)
+    n, t = 2, 50
+    inv = 10000.0 ** (-torch.arange(0, d, 2, dtype=torch.float32, device=device) / d)
+    pos0 = torch.tensor([188, 131], device=device)
+    for dtype in dtypes(device):
+        rnd = lambda *s, dt=dtype: torch.randn(*s, device=device, generator=g).to(dt)  # noqa: E731
+        qkv = rnd(n, t, (heads + 2) * d)
+        segments = [(rnd(n, 1, tc, d), rnd(n, 1, tc, d), None) for tc in context]
+        segments[0] = (*segments[0][:2], torch.rand(n, context[0], device=device, generator=g) < 0.7)
+        q, k, v = split_heads(qkv, heads, 1)
+        poison_allocator(device)
+        ropes.clear()
+        got = attention_triton(q, k, v, None, segments, rope_tables(pos0, t, inv, dtype))
+        assert ropes == [on_load]
+        f = lambda x: x.float()  # noqa: E731 - reference in float32
+        full = [(f(a), f(b), m) for a, b, m in segments]
+        qr, kr, vr = qkv_rope_reference(qkv, pos0, inv, heads, 1)
+        close(got, attention_reference(f(qr), f(kr), f(vr), None, full), dtype)
+        shifted = qkv_rope_reference(qkv, pos0 + 1, inv, heads, 1)
+        with pytest.raises(AssertionError):
+            close(got, attention_reference(*map(f, shifted), None, full), dtype)
+        with pytest.raises(AssertionError):
+            close(got, attention_reference(f(qr), f(k), f(vr), None, full), dtype)
+
+
+def test_attention_names_rope_tables_that_do_not_fit():
+    from flashrt.kernels.rotary import rope_tables
+
+    q, k = torch.randn(2, 4, 8, 16), torch.randn(2, 1, 8, 16)
+    inv = 10000.0 ** (-torch.arange(0, 16, 2, dtype=torch.float32) / 16)
+    tables = rope_tables(torch.tensor([0, 3]), 8, inv, torch.float32)
+    with pytest.raises(ValueError, match=r"rope cos table is \(2, 1, 7, 8\) torch.float32; it must be \(2, 1, 8, 8\)"):
+        attention(q, k, k, None, rope=rope_tables(torch.tensor([0, 3]), 7, inv, torch.float32))
+    with pytest.raises(ValueError, match="rope sin table .* torch.bfloat16; it must be .* torch.float32"):
+        attention(q, k, k, None, rope=(tables[0], tables[1].bfloat16()))
+    with pytest.raises(ValueError, match="5 own keys for 8 queries"):
+        attention(q, k[:, :, :5], k[:, :, :5], None, rope=tables)
+
+
 def test_attention_names_the_segment_that_does_not_fit():
     q, k = torch.randn(2, 4, 8, 16), torch.randn(2, 1, 8, 16)
     seg = torch.randn(2, 1, 5, 16)

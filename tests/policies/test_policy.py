@@ -276,3 +276,54 @@ def test_deferred_down_projections_add_up_to_the_layer_stack(adaptive, monkeypat
         wrong = pl.Deferred(pending.delta, None if adaptive else torch.ones(w))
         with pytest.raises(ValueError, match="needs its gate exactly where the layer is adaptive"):
             layers[0].forward_deferred(h, wrong, pos0, inv_freq, mod=mods[0])
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_rotation_inside_attention_gives_the_layer_stack(device, adaptive):
+    """pi0's and pi0.5's expert layers at head dim 256 with ``rope`` (tables made once; the
+    attention rotates queries and keys as it loads the q/k/v projection: the Triton kernel on
+    CUDA in bf16, torch ops on the CPU) against the float32 reference stack whose rotary split
+    rotates them, over a context segment; no keys come back. The MLPs are zeroed, so what the
+    stack changes is its attention. Mutation: the same comparison against tables one position
+    later fails (the context keys keep their positions, so the shift shows)."""
+    import flashrt.policies.layers as pl
+    from flashrt.kernels.grouped_attention import rotates_on_load
+    from flashrt.kernels.rotary import rope_tables
+
+    assert rotates_on_load(256)
+    torch.manual_seed(0)
+    w, n, t, d = 64, 2, 50, 256
+    layers = [pl.DecoderLayer(w, 2, 1, d, 96, cond_dim=16 if adaptive else None) for _ in range(2)]
+    with torch.no_grad():
+        for layer in layers:  # attention sharp enough that a rotation off by one position shows
+            layer.q.weight.mul_(2.0)
+            layer.kv.weight.mul_(2.0)
+            layer.down.weight.zero_()
+    x = torch.randn(n, t, w)
+    pos0 = torch.tensor([70, 133])
+    inv_freq = 1.0 / 10000 ** (torch.arange(0, d, 2) / d)
+    mods = [1 + 0.3 * torch.randn(2, 3, w) for _ in layers] if adaptive else [None] * 2
+    kv = torch.randn(n, 2, 1, 40, d)
+    mask = torch.rand(n, 40) < 0.8
+
+    def stack(on: str, dtype: torch.dtype, rope: bool, shift: int = 0) -> torch.Tensor:
+        h, pending, p = x.to(on, dtype, copy=True), None, pos0.to(on)  # the layers write the stream in place
+        tables = rope_tables(p + shift, t, inv_freq.to(on), dtype) if rope else None
+        context = [(kv[:, 0].to(on, dtype), kv[:, 1].to(on, dtype), mask.to(on))]
+        for layer, mod in zip(layers, mods, strict=True):
+            layer.to(on, dtype)
+            mod = None if mod is None else mod.to(on)
+            h, pending, k, _ = layer.forward_deferred(h, pending, p, inv_freq.to(on), context, mod=mod, rope=tables)
+            assert (k is None) == rope
+        return pl.settle(h, pending).float().cpu()
+
+    with torch.no_grad():
+        want = stack("cpu", torch.float32, rope=False)
+        dtype = torch.bfloat16 if device == "cuda" else torch.float32
+        tol = 0.03 if dtype == torch.bfloat16 else 1e-5
+        off = lambda got: ((got - want).norm() / (want - x).norm()).item()  # noqa: E731 - share of the change
+        assert off(stack(device, dtype, rope=True)) < tol
+        assert off(stack(device, dtype, rope=True, shift=1)) > tol  # mutation: the rotation one position later
+        with pytest.raises(ValueError, match="rope rotates keys inside attention and stores none"):
+            layers[0].forward_deferred(x, None, pos0, inv_freq, kv_out=kv, mod=mods[0], rope=(kv, kv))
