@@ -44,11 +44,12 @@ def poison_allocator(device: str) -> None:
 
 class Launches(list):
     """The grids of a kernel's launches, in order; ``dependent[i]``: launch i asked for
-    programmatic dependent launch."""
+    programmatic dependent launch; ``options[i]``: its keyword arguments (constexprs)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.dependent: list[bool] = []
+        self.options: list[dict] = []
 
 
 def spy_launches(monkeypatch: pytest.MonkeyPatch, module: object, name: str) -> Launches:
@@ -60,6 +61,7 @@ def spy_launches(monkeypatch: pytest.MonkeyPatch, module: object, name: str) -> 
             def launch(*args, **kwargs):
                 launches.append(grid)
                 launches.dependent.append(bool(kwargs.get("launch_pdl", False)))
+                launches.options.append(kwargs)
                 return kernel[grid](*args, **kwargs)
 
             return launch

@@ -451,17 +451,7 @@ def test_a_wide_head_sweeps_each_source_on_blocks_of_its_own(device, monkeypatch
     without the state token (the language block's last key) fails."""
     import flashrt.kernels.grouped_attention as ga
 
-    kernel, modes = ga._attention_kernel, []
-
-    class Spy:
-        def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                modes.append(kwargs["PER_SOURCE"])
-                return kernel[grid](*args, **kwargs)
-
-            return launch
-
-    monkeypatch.setattr(ga, "_attention_kernel", Spy())
+    launches = spy_launches(monkeypatch, ga, "_attention_kernel")
     g = torch.Generator(device=device).manual_seed(21)
     for dtype in dtypes(device):
         rnd = lambda *s, dt=dtype: torch.randn(*s, device=device, generator=g).to(dt)  # noqa: E731
@@ -482,7 +472,7 @@ def test_a_wide_head_sweeps_each_source_on_blocks_of_its_own(device, monkeypatch
         without_state = [(a[:, :, :48], b[:, :, :48], m[:, :48]) for a, b, m in full[:1]] + full[1:]
         with pytest.raises(AssertionError):
             close(got, attention_reference(fq, fk, fv, None, without_state), dtype)
-    assert modes and all(modes)
+    assert launches and all(o["PER_SOURCE"] for o in launches.options)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -569,17 +559,7 @@ def test_attention_rotates_queries_and_own_keys_by_rope_tables(device, heads, d,
     import flashrt.kernels.grouped_attention as ga
     from flashrt.kernels.rotary import rope_tables, split_heads
 
-    kernel, ropes = ga._attention_kernel, []
-
-    class Spy:
-        def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                ropes.append(kwargs["ROPE"])
-                return kernel[grid](*args, **kwargs)
-
-            return launch
-
-    monkeypatch.setattr(ga, "_attention_kernel", Spy())
+    launches = spy_launches(monkeypatch, ga, "_attention_kernel")
     g = torch.Generator(device=device).manual_seed(d)
     n, t = 2, 50
     inv = 10000.0 ** (-torch.arange(0, d, 2, dtype=torch.float32, device=device) / d)
@@ -591,9 +571,9 @@ def test_attention_rotates_queries_and_own_keys_by_rope_tables(device, heads, d,
         segments[0] = (*segments[0][:2], torch.rand(n, context[0], device=device, generator=g) < 0.7)
         q, k, v = split_heads(qkv, heads, 1)
         poison_allocator(device)
-        ropes.clear()
+        before = len(launches.options)
         got = attention_triton(q, k, v, None, segments, rope_tables(pos0, t, inv, dtype))
-        assert ropes == [on_load]
+        assert [o["ROPE"] for o in launches.options[before:]] == [on_load]
         f = lambda x: x.float()  # noqa: E731 - reference in float32
         full = [(f(a), f(b), m) for a, b, m in segments]
         qr, kr, vr = qkv_rope_reference(qkv, pos0, inv, heads, 1)
