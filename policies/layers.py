@@ -161,7 +161,9 @@ class DecoderLayer(nn.Module):
     Where a projection's input is split over programs (``kernels.matmul.splits``: pi0's 2 048-wide
     heads and 4 096-wide MLP at few rows), its float32 partial sums go to the kernel after it,
     which adds them to the residual: the norm, pi0.5's gated add, or for the down projection in a
-    stack of layers (:meth:`forward_deferred`) the next layer's first norm.
+    stack of layers (:meth:`forward_deferred`) the next layer's first norm. Given the rotation
+    tables of its tokens (:meth:`forward_deferred`'s ``rope``: the expert inside an Euler loop),
+    the layer runs no rotary split: the attention rotates queries and keys as it loads them.
     """
 
     def __init__(
