@@ -292,10 +292,7 @@ class DecoderLayer(nn.Module):
             )
             a = attention_long.attention(q, k, v, own_mask, context).reshape(n, t, -1)
         else:
-            if pending is None:
-                y = add_rms_norm(x, None, n1.scale(), n1.eps)[1]
-            else:
-                x, y = add_rms_norm(x, pending.delta, n1.scale(), n1.eps)
+            x, y = add_rms_norm(x, None if pending is None else pending.delta, n1.scale(), n1.eps)
             a, k, v = self._attend(linear(y, self.qkv_weight()), pos0, inv_freq, context, own_mask, kv_out, rope)
         if splits(a, self.o.weight):
             x, y = add_rms_norm(x, linear_partials(a, self.o.weight), n2.scale(), n2.eps)
