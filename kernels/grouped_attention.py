@@ -15,9 +15,9 @@ before and after). With few query rows (a group of at most 32) and few slots, th
 into 16-row programs, so the group's heads run on separate SMs, and each reads all its keys (up
 to a 32 KB block) at once. At head dims above 128 (pi0's 256) each source instead starts on a
 key block of its own and is swept by a loop of its own, whose rows are one buffer's: a partial
-block per source costs less there than looking each key's row up in its source; there the
-queries and each key block are held as their two halves, the product over the second half
-accumulated onto the first's. With few
+block per source costs less there than looking each key's row up in its source; there, with
+at most as many programs as SMs, the queries and each key block are held as their two halves,
+the product over the second half accumulated onto the first's. With few
 programs and many key blocks (pi0's expert at one slot: 13 programs, 15 blocks of 64 keys each)
 the keys are split over more programs (two blocks each at head dim 256), whose softmax states a
 second kernel merges. With 3 or more key blocks after the last per-token-masked source, those
@@ -120,6 +120,11 @@ if triton is not None:
         return a, b
 
     @triton.jit
+    def _joined(a, b, R: tl.constexpr, D: tl.constexpr):
+        """Rows (R, D) whose halves are ``a`` and ``b`` (R, D/2)."""
+        return tl.reshape(tl.permute(tl.join(a, b), (0, 2, 1)), (R, D))
+
+    @triton.jit
     def _row(rows, seg, i: tl.constexpr, base, local, s_t):
         """Row pointers (BN,) with the keys of source ``i`` (``seg == i``) pointed into ``base``."""
         return tl.where(seg == i, base + local * s_t, rows)
@@ -144,8 +149,8 @@ if triton is not None:
         # a rotation never joins them; else q0 is the queries). k_i / v_i / m_i:
         # source i's rows and mask of this program's slot and key/value head; it starts at key
         # e_i (e_0 = 0). Bit i of TOKENS: load source i's per-token mask here; of FLAGS: source
-        # i's mask is one per-slot flag, f_i, loaded once by the caller. With ROPE (HALVES, one
-        # source, the own keys: key i is token i) each key row is rotated by the tables cs / sn.
+        # i's mask is one per-slot flag, f_i, loaded once by the caller. With ROPE (one source,
+        # the own keys: key i is token i) each key row is rotated by the tables cs / sn.
         dims = tl.arange(0, D)
         for start in range(lo, hi, BN):
             cols = start + tl.arange(0, BN)
@@ -174,6 +179,9 @@ if triton is not None:
                 ka, kb = _halves(kr, cols, inside, cs, sn, sc_t, ROPE, D)
                 s = tl.dot(q0, tl.trans(ka), input_precision=PRECISION)
                 s = tl.dot(q1, tl.trans(kb), s, input_precision=PRECISION)
+            elif ROPE:
+                ka, kb = _halves(kr, cols, inside, cs, sn, sc_t, True, D)
+                s = tl.dot(q0, tl.trans(_joined(ka, kb, BN, D)), input_precision=PRECISION)
             else:
                 s = tl.dot(q0, tl.trans(tl.load(kr[:, None] + dims[None, :], mask=inside[:, None], other=0.0)),
                            input_precision=PRECISION)  # fmt: skip
@@ -216,18 +224,19 @@ if triton is not None:
     @triton.jit
     def _one_source(
         acc, m_i, l_i, q0, q1, lo, hi, start, length, scale, k, v, m, f, sk, sv, sm, cs, sn, sc_t,
-        TOKENS: tl.constexpr, FLAGS: tl.constexpr, ALIGNED: tl.constexpr, ROPE: tl.constexpr, BN: tl.constexpr,
-        D: tl.constexpr, PRECISION: tl.constexpr,
+        TOKENS: tl.constexpr, FLAGS: tl.constexpr, ALIGNED: tl.constexpr, HALVES: tl.constexpr,
+        ROPE: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, PRECISION: tl.constexpr,
     ):  # fmt: skip
         """The keys of one source, which starts at key ``start`` of the block-padded sequence,
-        that fall in this program's keys lo .. hi: a sweep whose rows are one buffer's, read as
-        halves (the queries' halves q0, q1), rotated as they load with ROPE."""
+        that fall in this program's keys lo .. hi: a sweep whose rows are one buffer's (read as
+        halves with HALVES), rotated as they load with ROPE. Rotated rows joined whole are swept
+        in half-width blocks: a block's halves, tables and joined rows are held at once."""
         a = tl.maximum(lo - start, 0)
         b = tl.minimum(hi - start, length)
         return _sweep(
             acc, m_i, l_i, q0, q1, a, b, length, scale, k, v, m, f, sk, sv, sm,
             k, v, m, f, length, sk, sv, sm, k, v, m, f, length, sk, sv, sm, k, v, m, f, length, sk, sv, sm,
-            cs, sn, sc_t, 1, TOKENS, FLAGS, ALIGNED, True, ROPE, BN, D, PRECISION,
+            cs, sn, sc_t, 1, TOKENS, FLAGS, ALIGNED, HALVES, ROPE, BN // 2 if ROPE and not HALVES else BN, D, PRECISION,
         )  # fmt: skip
 
     @triton.jit
@@ -239,7 +248,8 @@ if triton is not None:
         k3, v3, m3, e3, sk3_n, sk3_g, sk3_t, sv3_n, sv3_g, sv3_t, sm3_n, sm3_t, TK, TM, CHUNK,
         n0, n1, n2, n3, cs, sn, sc_n, sc_t,
         SOURCES: tl.constexpr, TOKENS: tl.constexpr, FLAGS: tl.constexpr, ALIGNED: tl.constexpr,
-        TWO_LOOPS: tl.constexpr, PER_SOURCE: tl.constexpr, ROPE: tl.constexpr, SPLIT: tl.constexpr,
+        TWO_LOOPS: tl.constexpr, PER_SOURCE: tl.constexpr, HALVES: tl.constexpr, ROPE: tl.constexpr,
+        SPLIT: tl.constexpr,
         BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, GDC: tl.constexpr, PRECISION: tl.constexpr,
     ):  # fmt: skip
         # Sources 0 .. SOURCES-1 (context segments, then the own block) form one sequence of TK
@@ -250,7 +260,8 @@ if triton is not None:
         # Program (i, j, s) takes keys s*CHUNK .. (s+1)*CHUNK; with SPLIT its softmax state
         # (acc, max, sum) goes to ``part`` for _combine_kernel, else the output to ``out``.
         # With ROPE (PER_SOURCE only) the queries and the own keys are rotated as they are
-        # loaded, by the slot's rows of the cos / sin tables cs / sn (token t at row t).
+        # loaded, by the slot's rows of the cos / sin tables cs / sn (token t at row t). With
+        # HALVES (PER_SOURCE only) queries and key blocks are held as their two halves.
         inputs_ready(GDC)  # every input is an earlier kernel's output
         pid_nk = tl.program_id(1)
         n = (pid_nk // (H // G)).to(tl.int64)  # G = h / g query heads per key/value head
@@ -262,8 +273,12 @@ if triton is not None:
         dims = tl.arange(0, D)
         cs, sn = cs + n * sc_n, sn + n * sc_n
         q_rows = q + n * sq_n + head * sq_h + t * sq_t
-        if PER_SOURCE:  # the queries as halves: rotated ones are never joined
+        if HALVES:  # the queries as halves: rotated ones are never joined
             q0, q1 = _halves(q_rows, t, live, cs, sn, sc_t, ROPE, D)
+        elif ROPE:
+            qa, qb = _halves(q_rows, t, live, cs, sn, sc_t, True, D)
+            q0 = _joined(qa, qb, BM, D)
+            q1 = q0
         else:
             q0 = tl.load(q_rows[:, None] + dims[None, :], mask=live[:, None], other=0.0)
             q1 = q0
@@ -294,7 +309,7 @@ if triton is not None:
                 k, v, m, f, e, length, sk, sv, sm = own[i]
                 acc, m_i, l_i = _one_source(
                     acc, m_i, l_i, q0, q1, lo, hi, e, length, scale, k, v, m, f, sk, sv, sm, cs, sn, sc_t,
-                    TOKENS >> i & 1, FLAGS >> i & 1, ALIGNED, ROPE and i == SOURCES - 1, BN, D, PRECISION,
+                    TOKENS >> i & 1, FLAGS >> i & 1, ALIGNED, HALVES, ROPE and i == SOURCES - 1, BN, D, PRECISION,
                 )  # fmt: skip
         elif TWO_LOOPS:
             acc, m_i, l_i = _sweep(
@@ -433,13 +448,17 @@ def attention_triton(
     chunk = triton.cdiv(max(blocks, 1), splits) * bn
     splits = triton.cdiv(start, chunk)
     part = out if splits == 1 else q.new_empty((splits, grid[1], grid[0] * bm, d + 2), dtype=torch.float32)
+    # Halves pay where programs are few (a chain of blocks each, latency-bound); with more programs
+    # than SMs every program sweeps every block, and one full-width product a block is faster.
+    halves = per_source and programs * splits <= sms
     cs, sn = rope if rope is not None else (q, q)  # any tensor stands in for absent tables
     sc = (cs.stride(0), cs.stride(2)) if rope is not None else (0, 0)
     if n * tq:
         _attention_kernel[(*grid, splits)](
             q, out, part, tq, h, group, math.log2(math.e) / math.sqrt(d), *q.stride()[:3], *args, start,
             triton.cdiv(token_end, bn) * bn, chunk, *lengths, cs, sn, *sc, SOURCES=len(sources), TOKENS=tokens,
-            FLAGS=flags, ALIGNED=aligned, TWO_LOOPS=two_loops, PER_SOURCE=per_source, ROPE=rope is not None,
+            FLAGS=flags, ALIGNED=aligned, TWO_LOOPS=two_loops, PER_SOURCE=per_source, HALVES=halves,
+            ROPE=rope is not None,
             SPLIT=splits > 1, BM=bm, BN=bn, D=d,
             PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=warps, num_stages=stages,
             **dependent_launch(q.device, programs * splits),

@@ -548,11 +548,16 @@ def test_plain_self_attention_takes_the_kernel_only_below_one_head_per_sm(device
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize(("heads", "d", "context", "on_load"), [(8, 256, (48, 140), True), (4, 64, (16, 65), False)])
-def test_attention_rotates_queries_and_own_keys_by_rope_tables(device, heads, d, context, on_load, monkeypatch):
+@pytest.mark.parametrize(
+    ("heads", "d", "context", "n", "on_load", "halves"),
+    [(8, 256, (48, 140), 2, True, True), (8, 256, (48, 140), 11, True, False), (4, 64, (16, 65), 2, False, False)],
+)
+def test_attention_rotates_queries_and_own_keys_by_rope_tables(device, heads, d, context, n, on_load, halves,
+                                                               monkeypatch):  # fmt: skip
     """Queries and own keys arrive as unrotated views of the q/k/v projection with the rotation
     tables of their positions. At pi0's head dim 256 the kernel rotates them as it loads them
-    (a ROPE launch), at 64 torch rotates them first; both match ``qkv_rope``'s rotation followed
+    (a ROPE launch: as halves at 2 slots, as joined rows at 11, whose 143 programs outnumber the
+    SMs), at 64 torch rotates them first; each matches ``qkv_rope``'s rotation followed
     by the reference attention. Mutations, each the same comparison: tables one position later
     (visible because the context keys keep the positions they were rotated at), and own keys
     left unrotated."""
@@ -561,9 +566,9 @@ def test_attention_rotates_queries_and_own_keys_by_rope_tables(device, heads, d,
 
     launches = spy_launches(monkeypatch, ga, "_attention_kernel")
     g = torch.Generator(device=device).manual_seed(d)
-    n, t = 2, 50
+    t = 50
     inv = 10000.0 ** (-torch.arange(0, d, 2, dtype=torch.float32, device=device) / d)
-    pos0 = torch.tensor([188, 131], device=device)
+    pos0 = torch.randint(0, 300, (n,), device=device, generator=g)
     for dtype in dtypes(device):
         rnd = lambda *s, dt=dtype: torch.randn(*s, device=device, generator=g).to(dt)  # noqa: E731
         qkv = rnd(n, t, (heads + 2) * d)
@@ -573,7 +578,7 @@ def test_attention_rotates_queries_and_own_keys_by_rope_tables(device, heads, d,
         poison_allocator(device)
         before = len(launches.options)
         got = attention_triton(q, k, v, None, segments, rope_tables(pos0, t, inv, dtype))
-        assert [o["ROPE"] for o in launches.options[before:]] == [on_load]
+        assert [(o["ROPE"], o["HALVES"]) for o in launches.options[before:]] == [(on_load, halves)]
         f = lambda x: x.float()  # noqa: E731 - reference in float32
         full = [(f(a), f(b), m) for a, b, m in segments]
         qr, kr, vr = qkv_rope_reference(qkv, pos0, inv, heads, 1)
