@@ -394,8 +394,8 @@ def attention_triton(
 ) -> torch.Tensor:
     """The Triton kernel (called by :func:`attention` on CUDA): takes the strides of q, of every
     segment's keys, values and mask, of the own ones (e.g. slot buffers' views, a mask expanded
-    from a per-slot flag) and of the ``rope`` tables; keys or tables without a unit last stride
-    take the reference."""
+    from a per-slot flag) and of the ``rope`` tables; keys or tables without a unit last stride,
+    and cos and sin tables of different strides, take the reference."""
     n, h, tq, d = q.shape
     g = k.shape[1]
     if len(context) > MAX_SEGMENTS:
@@ -406,6 +406,7 @@ def attention_triton(
         d & (d - 1)
         or d < 16
         or any(layout_problem(x, unit=(-1,)) for x in (q, *tables, *(t for s in sources for t in s[:2])))
+        or (rope is not None and rope[0].stride() != rope[1].stride())  # the kernel takes one table stride
     ):
         return attention_reference(q, k, v, mask, context, rope)
     if rope is not None and not rotates_on_load(d):
@@ -458,8 +459,7 @@ def attention_triton(
             q, out, part, tq, h, group, math.log2(math.e) / math.sqrt(d), *q.stride()[:3], *args, start,
             triton.cdiv(token_end, bn) * bn, chunk, *lengths, cs, sn, *sc, SOURCES=len(sources), TOKENS=tokens,
             FLAGS=flags, ALIGNED=aligned, TWO_LOOPS=two_loops, PER_SOURCE=per_source, HALVES=halves,
-            ROPE=rope is not None,
-            SPLIT=splits > 1, BM=bm, BN=bn, D=d,
+            ROPE=rope is not None, SPLIT=splits > 1, BM=bm, BN=bn, D=d,
             PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=warps, num_stages=stages,
             **dependent_launch(q.device, programs * splits),
         )  # fmt: skip

@@ -558,9 +558,9 @@ def test_attention_rotates_queries_and_own_keys_by_rope_tables(device, heads, d,
     tables of their positions. At pi0's head dim 256 the kernel rotates them as it loads them
     (a ROPE launch: as halves at 2 slots, as joined rows at 11, whose 143 programs outnumber the
     SMs), at 64 torch rotates them first; each matches ``qkv_rope``'s rotation followed
-    by the reference attention. Mutations, each the same comparison: tables one position later
-    (visible because the context keys keep the positions they were rotated at), and own keys
-    left unrotated."""
+    by the reference attention, also with a sin table strided apart from its cos table.
+    Mutations, each the same comparison: tables one position later (visible because the context
+    keys keep the positions they were rotated at), and own keys left unrotated."""
     import flashrt.kernels.grouped_attention as ga
     from flashrt.kernels.rotary import rope_tables, split_heads
 
@@ -588,6 +588,11 @@ def test_attention_rotates_queries_and_own_keys_by_rope_tables(device, heads, d,
             close(got, attention_reference(*map(f, shifted), None, full), dtype)
         with pytest.raises(AssertionError):
             close(got, attention_reference(f(qr), f(k), f(vr), None, full), dtype)
+        cos, sin = rope_tables(pos0, t, inv, dtype)
+        wide = torch.zeros(n, 1, t, d, dtype=dtype, device=device)
+        wide[..., : d // 2] = sin  # a sin table strided apart from its cos table
+        strided = attention_triton(q, k, v, None, segments, (cos, wide[..., : d // 2]))
+        close(strided, attention_reference(f(qr), f(kr), f(vr), None, full), dtype)
 
 
 def test_attention_names_rope_tables_that_do_not_fit():
