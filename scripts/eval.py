@@ -1,4 +1,4 @@
-"""Evaluate a trained agent, or the unsteered base policy, on FlashRT-VLA's evaluation starts.
+"""Evaluate a trained agent, or the unsteered base policy (``flashrt-eval`` from a checkout).
 
     python scripts/eval.py +checkpoint=outputs/<run>/checkpoints/last.safetensors   # FastSAC
     python scripts/eval.py agent=sac +checkpoint=outputs/<run>/checkpoints/last.zip # an SB3 agent
@@ -6,119 +6,10 @@
     python scripts/eval.py +split=test +video=videos/        # the test starts; two episodes as videos
     python scripts/eval.py +checkpoint=<...> +video=videos/  # base beside steered, and strip.png
 
-Uses the same config groups as train.py (env, task, policy, agent, runtime); the split is
-``validation`` unless ``+split=test`` (flashrt_gym.splits). Prints one JSON line.
+The job is :func:`flashrt_gym.cli.eval.main`; see there.
 """
 
-from __future__ import annotations
-
-import json
-from collections.abc import Callable
-from dataclasses import replace
-from pathlib import Path
-
-import hydra
-import matplotlib.pyplot as plt
-import numpy as np
-from hydra.utils import get_class
-from omegaconf import DictConfig
-
-from flashrt.runtime import atomic_write
-from flashrt_gym import FlashRTVectorEnv
-from flashrt_gym.fast_sac import FastSAC
-from flashrt_gym.fast_training import learner_config
-from flashrt_gym.splits import eval_seed
-from flashrt_gym.training import check, device_of, evaluate, is_fast, make_env, torch_policy
-
-Act = Callable[[np.ndarray], np.ndarray]
-
-
-def load_agent(cfg: DictConfig, checkpoint: str, env: FlashRTVectorEnv) -> Act:
-    """The deterministic policy of ``checkpoint`` (a FastSAC safetensors file, or an SB3 zip)."""
-    if is_fast(cfg):
-        (obs_dim,), (act_dim,) = env.single_observation_space.shape, env.single_action_space.shape
-        sac_cfg = replace(learner_config(cfg, 1), buffer_size=1)  # acting only: no replay ring
-        sac = FastSAC(obs_dim, act_dim, 1, sac_cfg, env.device, graphs=False)
-        sac.load(checkpoint)
-        return torch_policy(lambda obs: sac.act(obs, deterministic=True), env.device)
-    model = get_class(cfg.agent._target_).load(checkpoint, device=device_of(cfg))
-    return lambda obs: model.predict(obs, deterministic=True)[0]
-
-
-def episodes(cfg: DictConfig, act: Act | None, action_mode: str, seed: int) -> list[list[np.ndarray]]:
-    """The rendered frames of two episodes from ``reset(seed=seed)`` (two slots side by side),
-    each from its first frame to its last; ``act`` None: zero actions."""
-    env = make_env(cfg, 2, autoreset=False, action_mode=action_mode, render_mode="rgb_array")
-    obs, _ = env.reset(seed=seed)
-    zeros = np.zeros(env.action_space.shape, np.float32)
-    frames: list[list[np.ndarray]] = [[f] for f in env.render()]
-    alive = [True, True]
-    while any(alive):
-        obs, _, term, trunc, _ = env.step(zeros if act is None else act(obs))
-        for i, frame in enumerate(env.render()):
-            if alive[i]:
-                frames[i].append(frame)
-                alive[i] = not bool(term[i] or trunc[i])
-    env.close()
-    return frames
-
-
-def join(images: list[np.ndarray], axis: int) -> np.ndarray:
-    """``images`` joined along ``axis`` (1: side by side, 0: stacked), a white band between."""
-    shape = list(images[0].shape)
-    shape[axis] = 4
-    parts = [images[0]]
-    for image in images[1:]:
-        parts += [np.full(shape, 255, np.uint8), image]
-    return np.concatenate(parts, axis)
-
-
-def record(cfg: DictConfig, steered: Act | None, action_mode: str, split: str, folder: str) -> None:
-    """Two episodes of ``split`` as videos in ``folder``: the base policy's, or, with an agent,
-    the base policy (left) beside the steered one (right) from the same starts (the shorter
-    episode holds its last frame), and ``strip.png``: six frames of the first start, the base
-    policy's row above the steered one's."""
-    from gymnasium.utils.save_video import save_video  # needs moviepy (the dev extra)
-
-    seed, fps = eval_seed(split, 2), FlashRTVectorEnv.metadata["render_fps"]
-    base = episodes(cfg, None, "residual", seed)  # the VLA on its own noise, uncorrected
-    if steered is None:
-        for i, frames in enumerate(base):
-            save_video(frames, folder, fps=fps, episode_index=i, name_prefix="base")
-        return
-    agent = episodes(cfg, steered, action_mode, seed)
-    for i, (left, right) in enumerate(zip(base, agent, strict=True)):
-        n = max(len(left), len(right))
-        frames = [join([left[min(t, len(left) - 1)], right[min(t, len(right) - 1)]], 1) for t in range(n)]
-        save_video(frames, folder, fps=fps, episode_index=i, name_prefix="base-vs-steered")
-    picks = [np.linspace(0, len(e) - 1, 6).round().astype(int) for e in (base[0], agent[0])]
-    image = join([join([e[t] for t in ts], 1) for e, ts in zip((base[0], agent[0]), picks, strict=True)], 0)
-    atomic_write(Path(folder) / "strip.png", lambda f: plt.imsave(f, image, format="png"))
-
-
-@hydra.main(version_base="1.3", config_path="../configs", config_name="train")
-def main(cfg: DictConfig) -> None:
-    check(cfg)
-    checkpoint, video, split = cfg.get("checkpoint"), cfg.get("video"), cfg.get("split", "validation")
-    mode = cfg.env.action_mode if checkpoint else "residual"  # the base policy: its own noise, no correction
-    env = make_env(cfg, cfg.eval.episodes, autoreset=False, action_mode=mode)
-    zeros = np.zeros((env.num_envs, *env.single_action_space.shape), np.float32)
-    act = load_agent(cfg, checkpoint, env) if checkpoint else lambda obs: zeros[: len(obs)]
-    res = evaluate(env, act, split, cfg.eval.episodes)
-    print(
-        json.dumps(
-            {
-                "checkpoint": checkpoint,
-                "split": split,
-                "episodes": res.episodes,
-                "success": res.success,
-                "mean_return": res.mean_return,
-            }
-        )
-    )
-    if video:
-        record(cfg, act if checkpoint else None, mode, split, str(video))
-
+from flashrt_gym.cli.eval import main
 
 if __name__ == "__main__":
     main()
