@@ -19,6 +19,7 @@ from safetensors import safe_open
 from safetensors.torch import save as save_bytes
 
 from flashrt.runtime import BufferSet, atomic_write
+from flashrt_gym.splits import demo_seed
 from flashrt_gym.tasks import Tabletop, TabletopConfig
 
 FORMAT = "flashrt-demos/1"
@@ -35,7 +36,9 @@ def collect(
     device: str | torch.device = "cpu",
 ) -> Iterator[dict[str, torch.Tensor]]:
     """Run the expert (plus Gaussian action noise) of ``task``'s configuration in batches of
-    ``num_slots`` episodes and yield one batch of successful episodes at a time, on the CPU."""
+    ``num_slots`` episodes and yield one batch of successful episodes at a time, on the CPU.
+    Episode ``e`` of the collection (kept or not) starts from :func:`flashrt_gym.splits.demo_seed`
+    ``(seed, e)``: the demonstrations' own block, disjoint from training and evaluation starts."""
     if num_episodes < 1 or num_slots < 1 or max_ticks < 1:
         raise ValueError("num_episodes, num_slots and max_ticks must be >= 1")
     if noise_std < 0:
@@ -46,7 +49,7 @@ def collect(
     while done < num_episodes:
         sim = Tabletop(cfg)
         sim.bind(BufferSet(sim.specs(), num_slots, device))
-        sim.seed(torch.arange(num_slots, device=device) + seed * 1_000_003 + first_episode)
+        sim.seed(torch.arange(num_slots, device=device) + demo_seed(seed, first_episode))
         sim.reset()
         frames = []
         for _ in range(max_ticks):

@@ -2,9 +2,9 @@
 
 Every evaluation runs ``num_envs`` episodes at once in an env built with ``autoreset=False``:
 ``reset(seed=s)`` gives slot i the start of seed ``s + i``, finished slots stop counting, and the
-loop ends when every slot has finished. Starts come from three disjoint seed ranges, so that
-what a choice is made on (validation) is never what a result is reported on (test), and neither
-overlaps training runs (which take their seeds below :data:`VALIDATION_SEED`).
+loop ends when every slot has finished. The splits' seeds are named in :mod:`flashrt_gym.splits`
+(re-exported here): what a choice is made on (validation) is never what a result is reported on
+(test), and neither overlaps training runs or demonstrations, as drawn start states.
 """
 
 from __future__ import annotations
@@ -16,11 +16,9 @@ from typing import Any
 import numpy as np
 
 from flashrt_gym.env import FlashRTVectorEnv
+from flashrt_gym.splits import TEST_SEED, VALIDATION_SEED
 
-VALIDATION_SEED = 1 << 40
-"""First seed of the validation starts: hyperparameters and checkpoints are chosen on these."""
-TEST_SEED = 1 << 41
-"""First seed of the test starts: results are reported on these, once, after every choice."""
+__all__ = ["TEST_SEED", "VALIDATION_SEED", "EpisodeStats", "base_policy", "run_episodes"]
 
 
 @dataclass(frozen=True)

@@ -5,8 +5,15 @@ part of every capsule): a ``key`` fixed per slot and a ``counter`` bumped by the
 each draw. Draws need no host synchronisation and no generator object, so they run inside a
 captured graph and give the same bits on the CPU and the GPU.
 
-The mixer is a 32-bit integer hash (xor-shift-multiply, "lowbias32") evaluated in int64
-arithmetic: products are taken modulo 2**64 and masked back to 32 bits, which is exact.
+A key is first mixed as a whole 64-bit number (splitmix64's finaliser, a bijection of int64), so
+that keys differing anywhere, the high bits included, give unrelated streams: folding the key to
+32 bits first made seeds ``2**40 + i`` and ``i ^ 256`` draw the same stream, so evaluation splits
+named by high seed bits repeated training starts. The low half of the mixed key and the counter
+pick a 32-bit stream through a 32-bit integer hash (xor-shift-multiply, "lowbias32"); the high half
+is added into every element's hash, so two distinct keys share no stream even where their low
+halves collide (at odds of about 2**-64 a pair). All of it is int64 arithmetic: products wrap
+modulo 2**64 (two's complement, as torch and Triton give on the CPU and the GPU) or are masked
+back to 32 bits, which is exact.
 """
 
 from __future__ import annotations
@@ -18,6 +25,22 @@ import torch
 from flashrt.kernels.backend import check_layout, layout_problem, tl, triton, use_triton
 
 _M32 = 0xFFFFFFFF
+# splitmix64's constants as signed int64 (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB)
+_SM_GAMMA, _SM_M1, _SM_M2 = -7046029254386353131, -4658895280553007687, -7723592293110705685
+
+
+def _srl(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Logical right shift of int64 ``x`` by ``k`` (torch's ``>>`` is arithmetic on signed ints)."""
+    return (x >> k) & ((1 << (64 - k)) - 1)
+
+
+def _mix64(key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """splitmix64's finaliser of the whole int64 ``key``, as its (low, high) 32-bit halves."""
+    z = key + _SM_GAMMA
+    z = (z ^ _srl(z, 30)) * _SM_M1
+    z = (z ^ _srl(z, 27)) * _SM_M2
+    z = z ^ _srl(z, 31)
+    return z & _M32, _srl(z, 32)
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:
@@ -35,8 +58,8 @@ def slot_key(seed: torch.Tensor) -> torch.Tensor:
 
     The multiplier is odd, so the map is a bijection of int64 (two's-complement wrap-around, as
     torch's int64 arithmetic gives on the CPU and the GPU): distinct seeds give distinct keys.
-    :func:`random_bits` hashes a key to a 32-bit stream, so two seeds share a stream with the
-    odds of a 32-bit collision (about one pair in 2**32). Elementwise torch, so capturable.
+    :func:`random_bits` mixes all 64 bits of a key, so distinct seeds draw unrelated streams
+    (module docstring). Elementwise torch, so capturable.
     """
     return _int64("slot_key", "seed", seed) * 2654435761 + 1
 
@@ -69,8 +92,9 @@ def random_bits(key: torch.Tensor, counter: torch.Tensor, n: int) -> torch.Tenso
         n: numbers per slot.
     """
     idx = torch.arange(n, device=key.device, dtype=torch.int64)
-    stream = _mix32(_mix32(key ^ (key >> 32)) + counter * 0x9E3779B1)  # (slots,)
-    return _mix32(stream[:, None] ^ _mix32(idx * 0x85EBCA6B + 1)[None, :])
+    lo, hi = _mix64(key)
+    stream = _mix32(lo + counter * 0x9E3779B1)  # (slots,)
+    return _mix32((stream[:, None] ^ _mix32(idx * 0x85EBCA6B + 1)[None, :]) + hi[:, None])
 
 
 def uniform(key: torch.Tensor, counter: torch.Tensor, n: int) -> torch.Tensor:
@@ -106,13 +130,23 @@ if triton is not None:
         return x ^ (x >> 16)
 
     @triton.jit
+    def _mix64_tl(key):
+        # splitmix64's finaliser (constants as signed int64; masks make the shifts logical)
+        z = key + -7046029254386353131
+        z = (z ^ ((z >> 30) & 0x3FFFFFFFF)) * -4658895280553007687
+        z = (z ^ ((z >> 27) & 0x1FFFFFFFFF)) * -7723592293110705685
+        z = z ^ ((z >> 31) & 0x1FFFFFFFF)
+        return z & 0xFFFFFFFF, (z >> 32) & 0xFFFFFFFF
+
+    @triton.jit
     def uniform_tl(key, counter, j):
         """Element ``j`` of :func:`uniform`'s ``(key, counter)`` stream, inside a Triton kernel:
         the same float32 bits as the torch function (int64 keys, counters and indices, any
         broadcastable shapes)."""
         j = key * 0 + j  # int64 (a literal index would be int32, too narrow for the mixer)
-        stream = _mix32_tl(_mix32_tl(key ^ (key >> 32)) + counter * 0x9E3779B1)
-        bits = _mix32_tl(stream ^ _mix32_tl(j * 0x85EBCA6B + 1))
+        lo, hi = _mix64_tl(key)
+        stream = _mix32_tl(lo + counter * 0x9E3779B1)
+        bits = _mix32_tl((stream ^ _mix32_tl(j * 0x85EBCA6B + 1)) + hi)
         return (bits >> 8).to(tl.float32) * (1.0 / 16777216.0)
 
     @triton.jit
@@ -121,11 +155,12 @@ if triton is not None:
         s = tl.program_id(0).to(tl.int64)
         k = tl.load(key + s * s_key)
         c = tl.load(counter + s * s_counter)
-        stream = _mix32_tl(_mix32_tl(k ^ (k >> 32)) + c * 0x9E3779B1)
+        lo, hi = _mix64_tl(k)
+        stream = _mix32_tl(lo + c * 0x9E3779B1)
         j = tl.arange(0, BLOCK).to(tl.int64)
         live = j < half
-        b1 = _mix32_tl(stream ^ _mix32_tl(j * 0x85EBCA6B + 1))
-        b2 = _mix32_tl(stream ^ _mix32_tl((j + half) * 0x85EBCA6B + 1))
+        b1 = _mix32_tl((stream ^ _mix32_tl(j * 0x85EBCA6B + 1)) + hi)
+        b2 = _mix32_tl((stream ^ _mix32_tl((j + half) * 0x85EBCA6B + 1)) + hi)
         u1 = (b1 >> 8).to(tl.float32) * (1.0 / 16777216.0)
         u2 = (b2 >> 8).to(tl.float32) * (1.0 / 16777216.0)
         r = tl.sqrt(-2.0 * tl.log(1.0 - u1))

@@ -35,6 +35,7 @@ from flashrt_gym.env import FlashRTVectorEnv
 from flashrt_gym.evaluation import VALIDATION_SEED, base_policy
 from flashrt_gym.sims.mujoco_cpu import MujocoPush
 from flashrt_gym.sims.push import PushConfig, model_digest
+from flashrt_gym.splits import demo_seed
 from flashrt_gym.tasks import TabletopConfig
 
 SIMULATOR = "mujoco_push"
@@ -45,8 +46,8 @@ def collect_batch(
     cfg: PushConfig, batch: int, *, num_slots: int = 256, noise_std: float = 0.3, max_ticks: int = 160, seed: int = 0
 ) -> dict[str, torch.Tensor]:
     """The successful episodes of batch ``batch``: ``num_slots`` seeded episodes (slot ``i``
-    draws from seed ``seed * 1_000_003 + batch * num_slots + i``, the tabletop pipeline's
-    seeds) of the expert plus Gaussian action noise of ``noise_std`` (its own generator per
+    draws from :func:`flashrt_gym.splits.demo_seed` ``(seed, batch * num_slots + i)``, the
+    tabletop pipeline's seeds) of the expert plus Gaussian action noise of ``noise_std`` (its own generator per
     batch, so batches can be collected in any order or in parallel), for at most ``max_ticks``
     ticks. An episode's id is ``batch * num_slots + i``."""
     if batch < 0 or num_slots < 1 or max_ticks < 1:
@@ -55,7 +56,7 @@ def collect_batch(
         raise ValueError(f"noise_std must be >= 0, got {noise_std}")
     g = torch.Generator().manual_seed(seed * 1_000_003 + batch)
     sim = MujocoPush(num_slots, cfg)
-    sim.seed(np.arange(num_slots) + seed * 1_000_003 + batch * num_slots)
+    sim.seed(np.arange(num_slots) + demo_seed(seed, batch * num_slots))
     sim.reset()
     frames = []
     for _ in range(max_ticks):
@@ -68,7 +69,7 @@ def collect_batch(
     image, proprio, action, alive = (torch.stack(x, 1) for x in zip(*frames, strict=True))
     keep = torch.from_numpy(sim.success()).nonzero().flatten()
     lengths, sel = alive[keep].sum(1), alive[keep]
-    ids = keep + batch * num_slots  # the episode's seed is seed * 1_000_003 + its id
+    ids = keep + batch * num_slots  # the episode's seed is demo_seed(seed, its id)
     return {
         "image": image[keep][sel],
         "proprio": proprio[keep][sel],
