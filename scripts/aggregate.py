@@ -1,5 +1,5 @@
 """Aggregate a folder of scripts/train.py runs across seeds: IQM and 95 % bootstrap intervals
-(rliable), a table, curves and a JSON.
+(rliable) over at least five runs, the mean and the range below that, a table, curves and a JSON.
 
     python scripts/aggregate.py multirun/2026-11-30/12-00-00
 
@@ -13,6 +13,11 @@ of the final figures. The column at 200 000 env steps comes from the curves' tes
 so an unfinished run that got that far counts in it (a group of unfinished runs shows the base
 policy's success on the same starts beside it); it is shown when every run of the group got
 there.
+
+Why five: the interquartile mean of fewer than five runs trims nothing (it is their mean), and a
+bootstrap over three runs puts its 2.5 and 97.5 percentiles on the extremes, so "IQM [95 % CI]"
+over three seeds would be the mean and the range under another name. Below :data:`MIN_IQM_RUNS`
+runs the figure is therefore the mean with the range, and says so.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import json
 import re
 from collections import defaultdict
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from rliable import library as rly
@@ -29,6 +35,8 @@ from rliable import metrics
 
 REPS = 10_000  # bootstrap resamples for the table; the curves' points take CURVE_REPS
 CURVE_REPS = 1_000
+MIN_IQM_RUNS = 5
+"""The fewest runs whose IQM trims anything and whose bootstrap interval is not just the range."""
 
 
 def load_runs(folder: Path) -> dict[str, list[dict]]:
@@ -45,13 +53,31 @@ def load_runs(folder: Path) -> dict[str, list[dict]]:
     return groups
 
 
-def iqm_ci(scores: list[float], reps: int = REPS) -> dict[str, float]:
-    """Interquartile mean over runs with its 95 % stratified-bootstrap interval, and the mean."""
-    x = np.asarray(scores, dtype=float)[:, None]  # (runs, tasks=1)
+def estimate(scores: list[float], reps: int = REPS) -> dict[str, Any]:
+    """The figure over runs: with :data:`MIN_IQM_RUNS` or more, the interquartile mean and its
+    95 % stratified-bootstrap interval (rliable); with fewer, the mean and the [min, max] range.
+
+    Args:
+        scores: one score per run.
+        reps: bootstrap resamples.
+
+    Returns:
+        ``{"stat": "iqm" | "mean", "value", "lo", "hi", "interval": "95 % bootstrap" | "range", "runs"}``.
+    """
+    x = np.asarray(scores, dtype=float)
+    if len(x) < MIN_IQM_RUNS:
+        return {"stat": "mean", "value": float(x.mean()), "lo": float(x.min()), "hi": float(x.max())} | {
+            "interval": "range",
+            "runs": len(x),
+        }
     point, interval = rly.get_interval_estimates(
-        {"s": x}, lambda s: np.array([metrics.aggregate_iqm(s)]), reps=reps, confidence_interval_size=0.95
+        {"s": x[:, None]}, lambda s: np.array([metrics.aggregate_iqm(s)]), reps=reps, confidence_interval_size=0.95
     )
-    return {"iqm": float(point["s"][0]), "lo": float(interval["s"][0, 0]), "hi": float(interval["s"][1, 0])}
+    return {"stat": "iqm", "value": float(point["s"][0]), "lo": float(interval["s"][0, 0])} | {
+        "hi": float(interval["s"][1, 0]),
+        "interval": "95 % bootstrap",
+        "runs": len(x),
+    }
 
 
 def at_200000(curve: list[dict]) -> dict | None:
@@ -65,9 +91,9 @@ def aggregate(groups: dict[str, list[dict]]) -> dict[str, dict]:
         done = [r["summary"] for r in runs if r["summary"] is not None]
         g: dict = {"runs": len(runs), "finished": len(done), "seeds": [s["seed"] for s in done]}
         if done:
-            g["test_success"] = iqm_ci([s["success"] for s in done]) | {"per_seed": [s["success"] for s in done]}
+            g["test_success"] = estimate([s["success"] for s in done]) | {"per_seed": [s["success"] for s in done]}
             if all(s.get("validation_success") is not None for s in done):
-                g["validation_success"] = iqm_ci([s["validation_success"] for s in done])
+                g["validation_success"] = estimate([s["validation_success"] for s in done])
             g["base_success"] = float(np.mean([s["base_success"] for s in done]))
             for key in ("env_steps", "env_steps_per_s", "wall_s"):
                 g[key] = float(np.mean([s[key] for s in done]))
@@ -75,7 +101,7 @@ def aggregate(groups: dict[str, list[dict]]) -> dict[str, dict]:
             g["wall_s_to_validation_90"] = [s.get("first_wall_s_validation_90") for s in done]
         milestones = [at_200000(r["curve"]) for r in runs]
         if all(m is not None for m in milestones):  # every run reached 200 000 steps, finished or not
-            g["test_success_at_200000"] = iqm_ci([m["success"] for m in milestones])
+            g["test_success_at_200000"] = estimate([m["success"] for m in milestones])
             if not done:
                 g["base_success"] = float(np.mean([m["base_success"] for m in milestones]))
         out[name] = g
@@ -84,11 +110,15 @@ def aggregate(groups: dict[str, list[dict]]) -> dict[str, dict]:
 
 def table(agg: dict[str, dict]) -> str:
     def pct(d: dict | None) -> str:
-        return "—" if d is None else f"{100 * d['iqm']:.1f} % [{100 * d['lo']:.1f}, {100 * d['hi']:.1f}]"
+        if d is None:
+            return "—"
+        if d["stat"] == "mean":
+            return f"{100 * d['value']:.1f} % (mean; range {100 * d['lo']:.1f}–{100 * d['hi']:.1f})"
+        return f"{100 * d['value']:.1f} % [{100 * d['lo']:.1f}, {100 * d['hi']:.1f}]"
 
     rows = [
-        "| runs | seeds | validation (choose by) | base (test) | steered (test), IQM [95 % CI] | at 200 000 steps | "
-        "env steps | wall | env steps/s | unfinished |",
+        f"| runs | seeds | validation (choose by) | base (test) | steered (test): IQM [95 % CI] over >= {MIN_IQM_RUNS} "
+        "seeds, else mean (range) | at 200 000 steps | env steps | wall | env steps/s | unfinished |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, g in agg.items():
@@ -110,7 +140,7 @@ def table(agg: dict[str, dict]) -> str:
 def best_on_validation(agg: dict[str, dict]) -> str | None:
     """The group with the highest last-validation IQM, when more than one has one: the one
     whose test figure to report (the others' test figures were not chosen on)."""
-    scored = {name: g["validation_success"]["iqm"] for name, g in agg.items() if "validation_success" in g}
+    scored = {name: g["validation_success"]["value"] for name, g in agg.items() if "validation_success" in g}
     return max(scored, key=scored.__getitem__) if len(scored) > 1 else None
 
 
@@ -129,12 +159,13 @@ def plot(groups: dict[str, list[dict]], path: Path) -> None:
         if n == 0:
             continue
         x = np.array([p["env_steps"] for p in curves[0][:n]])
-        y = [iqm_ci([c[i]["success"] for c in curves], CURVE_REPS) for i in range(n)]
-        (line,) = ax.plot(x, [v["iqm"] for v in y], label=f"{name} (n={len(runs)})")
+        y = [estimate([c[i]["success"] for c in curves], CURVE_REPS) for i in range(n)]
+        what = "IQM, 95 % CI" if y[0]["stat"] == "iqm" else "mean, range"
+        (line,) = ax.plot(x, [v["value"] for v in y], label=f"{name} (n={len(runs)}; {what})")
         ax.fill_between(x, [v["lo"] for v in y], [v["hi"] for v in y], alpha=0.2)
-        base = iqm_ci([c[0]["base_success"] for c in curves], CURVE_REPS)["iqm"]
+        base = estimate([c[0]["base_success"] for c in curves], CURVE_REPS)["value"]
         ax.axhline(base, ls="--", lw=1, color=line.get_color(), label=f"{name}: base policy")
-    ax.set(xlabel="env steps (chunks)", ylabel="validation success (IQM, 95 % CI)", ylim=(0, 1))
+    ax.set(xlabel="env steps (chunks)", ylabel="validation success", ylim=(0, 1))
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The headline: the main job (FastSAC, `python scripts/train.py`) over seeds 0 1 2 as three
+# The headline: the main job (FastSAC, `python scripts/train.py`) over seeds 0 1 2 3 4 ($SEEDS) as
 # processes side by side on one GPU. Each trains until `seconds_per_run` after its own launch
 # (compile and capture included; the step budget is set out of reach), evaluating on the
 # validation starts as it goes and on the test starts at 200 000 env steps and at the end; a hard
@@ -10,9 +10,10 @@
 #   bash scripts/headline.sh [out_dir] [seconds_per_run] [override ...]
 #   NAME=sb3_sac bash scripts/headline.sh out/sb3 600 experiment=dsrl_sac   # the SB3 path, same protocol
 #
-# out_dir defaults to $OUT/headline when $OUT is set. Writes <out_dir>/<name>_seed{0,1,2}/
+# out_dir defaults to $OUT/headline when $OUT is set. Writes <out_dir>/<name>_seed<k>/
 # (config.yaml, curve.json, curve.png, summary.json, checkpoints/, tb/), one .log per run, and
 # summary.md, aggregate.json, curves.png. The default 450 s per run ends within ~8.5 minutes.
+# IQM and its intervals mean something only with enough seeds: five is the least reported.
 set -uo pipefail
 out=${1:-${OUT:+$OUT/headline}}
 out=${out:-multirun/headline}
@@ -23,7 +24,8 @@ grace=${GRACE:-180}
 py=${PYTHON:-$(command -v python || command -v python3)}  # the interpreter that holds torch (PYTHON=... to choose)
 mkdir -p "$out"
 start=$(date +%s)
-for seed in 0 1 2; do
+read -r -a seeds <<<"${SEEDS:-0 1 2 3 4}"
+for seed in "${seeds[@]}"; do
   run="${name}_seed$seed"
   OMP_NUM_THREADS=4 timeout --kill-after=10 $((limit + grace)) "$py" scripts/train.py seed=$seed \
     time_limit_s=$limit total_steps=1000000000 "${extra[@]}" "hydra.run.dir='$out/$run'" >"$out/$run.log" 2>&1 &

@@ -38,8 +38,10 @@ def test_unfinished_runs_count_at_their_200000_step_test_point(tmp_path, monkeyp
     if stopped_early:
         assert "test_success_at_200000" not in agg and row == "| fast_sac | 0 | — | — | — | — | — | — | — | 3 |"
     else:
-        assert agg["test_success_at_200000"]["iqm"] == pytest.approx(0.6) and agg["base_success"] == pytest.approx(0.4)
-        assert row.startswith("| fast_sac | 0 | — | 40.0 % | — | 60.0 % [")
+        assert agg["test_success_at_200000"]["value"] == pytest.approx(0.6) and agg["base_success"] == pytest.approx(
+            0.4
+        )
+        assert row.startswith("| fast_sac | 0 | — | 40.0 % | — | 60.0 % (mean; range 50.0–70.0) |")
 
 
 def write_finished(folder: Path, group: str, validation: list[float], test: list[float]) -> None:
@@ -63,10 +65,44 @@ def test_groups_are_chosen_on_validation_not_test(tmp_path, monkeypatch):
     write_finished(tmp_path, "a", [0.8, 0.8, 0.8], [0.5, 0.5, 0.5])
     write_finished(tmp_path, "b", [0.6, 0.6, 0.6], [0.7, 0.7, 0.7])
     agg = aggregate.aggregate(aggregate.load_runs(tmp_path))
-    assert agg["a"]["validation_success"]["iqm"] == pytest.approx(0.8)
-    assert agg["b"]["validation_success"]["iqm"] == pytest.approx(0.6)
+    assert agg["a"]["validation_success"]["value"] == pytest.approx(0.8)
+    assert agg["b"]["validation_success"]["value"] == pytest.approx(0.6)
     assert aggregate.best_on_validation(agg) == "a"
-    assert max(agg, key=lambda g: agg[g]["test_success"]["iqm"]) == "b"  # the mutation's choice
+    assert max(agg, key=lambda g: agg[g]["test_success"]["value"]) == "b"  # the mutation's choice
     rows = aggregate.table(agg).splitlines()
-    assert rows[2].startswith("| a | 3 | 80.0 % [") and "| 50.0 % [" in rows[2]
+    assert rows[2].startswith("| a | 3 | 80.0 % (mean; range") and "| 50.0 % (mean; range 50.0–50.0) |" in rows[2]
     assert aggregate.best_on_validation({"a": agg["a"]}) is None  # one group: nothing to choose
+
+
+def test_five_runs_get_the_interquartile_mean_and_fewer_the_mean_with_its_range(monkeypatch):
+    """Over five runs the figure trims the best and the worst (IQM of 0.1, 0.5, 0.6, 0.7, 0.99 is
+    0.6, their mean 0.578) and its bootstrap interval lies strictly inside the range; over three
+    it is labelled the mean with the range. Mutation: a plain mean misses the IQM."""
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    import aggregate
+
+    five = [0.1, 0.5, 0.6, 0.7, 0.99]
+    got = aggregate.estimate(five)
+    assert got["stat"] == "iqm" and got["interval"] == "95 % bootstrap" and got["value"] == pytest.approx(0.6)
+    assert got["value"] != pytest.approx(sum(five) / 5)  # the mutation: the mean is not the IQM
+    assert 0.1 <= got["lo"] < got["value"] < got["hi"] <= 0.99 and (got["lo"], got["hi"]) != (0.1, 0.99)
+    three = aggregate.estimate([0.5, 0.6, 0.8])
+    assert three == {"stat": "mean", "value": pytest.approx(0.6333, abs=1e-4), "lo": 0.5, "hi": 0.8} | {
+        "interval": "range",
+        "runs": 3,
+    }
+    row = aggregate.table(
+        {
+            "g": {
+                "finished": 5,
+                "runs": 5,
+                "validation_success": got,
+                "base_success": 0.4,
+                "test_success": got,
+                "env_steps": 1,
+                "wall_s": 60,
+                "env_steps_per_s": 1,
+            }
+        }
+    )
+    assert "| 60.0 % [" in row.splitlines()[-1]

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Rebuild the tabletop's base policy end to end, as the shipped flashrt_gym/assets/tiny was made:
+# scripted-expert demonstrations from the demonstration seeds (flashrt_gym.splits.demo_seed),
+# behaviour cloning with a checkpoint every `eval_every` steps scored on the validation starts
+# (seen and held-out instructions), the checkpoint with the highest success on seen
+# instructions chosen, and that one measured once on the test starts, seen and held out.
+#
+#   bash scripts/rebuild_base.sh OUT_DIR [pretrain override ...]
+#
+# Writes OUT_DIR/demos/, OUT_DIR/pretrain/ (step-N/ folders, evals.json), OUT_DIR/chosen -> the
+# chosen step-N/, and OUT_DIR/base_test.json (the chosen policy on 1 024 test starts a split).
+set -euo pipefail
+out=${1:?usage: bash scripts/rebuild_base.sh OUT_DIR [pretrain override ...]}
+extra=("${@:2}")
+py=${PYTHON:-$(command -v python || command -v python3)}
+mkdir -p "$out"
+"$py" scripts/collect_demos.py "out=$out/demos" "hydra.run.dir=$out/hydra/collect"
+"$py" scripts/pretrain_policy.py "demos=$out/demos" "out=$out/pretrain" "hydra.run.dir=$out/hydra/pretrain" "${extra[@]}"
+chosen=$("$py" -c '
+import json, sys
+evals = json.load(open(sys.argv[1]))["evals"]
+print(max(evals, key=lambda e: (e["success_train"], -e["step"]))["weights"])' "$out/pretrain/evals.json")
+ln -sfn "$(realpath "$chosen")" "$out/chosen"
+echo "chosen on validation (seen instructions): $chosen"
+for split in train heldout; do
+  "$py" scripts/eval.py +split=test eval.episodes=1024 "task.split=$split" "policy.weights=$out/chosen" \
+    "hydra.run.dir=$out/hydra/eval_$split" | tail -n 1 | "$py" -c '
+import json, sys
+print(json.dumps({"instructions": sys.argv[1], **json.loads(sys.stdin.read())}))' "$split"
+done > "$out/base_test.jsonl"
+"$py" -c '
+import json, sys
+rows = [json.loads(line) for line in open(sys.argv[1])]
+json.dump({"chosen": sys.argv[2], "test": rows}, open(sys.argv[3], "w"), indent=2)' \
+  "$out/base_test.jsonl" "$chosen" "$out/base_test.json"
+cat "$out/base_test.json"
