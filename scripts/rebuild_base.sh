@@ -23,7 +23,7 @@ print(max(evals, key=lambda e: (e["success_train"], -e["step"]))["weights"])' "$
 ln -sfn "$(realpath "$chosen")" "$out/chosen"
 echo "chosen on validation (seen instructions): $chosen"
 for split in train heldout; do
-  "$py" scripts/eval.py +split=test eval.episodes=1024 "task.split=$split" "policy.weights=$out/chosen" \
+  "$py" scripts/eval.py +split=test eval.episodes=1024 eval.test_episodes=1024 "task.split=$split" "policy.weights=$out/chosen" \
     "hydra.run.dir=$out/hydra/eval_$split" | tail -n 1 | "$py" -c '
 import json, sys
 print(json.dumps({"instructions": sys.argv[1], **json.loads(sys.stdin.read())}))' "$split"
