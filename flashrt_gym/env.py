@@ -58,10 +58,21 @@ class FlashRTVectorEnv(VectorEnv):
 
     ## Episode end
     Terminated when the simulator reports success; truncated after ``max_episode_steps`` chunks.
-    Finished slots start their next episode in the same step (``AutoresetMode.SAME_STEP``, drawn
-    inside the step from the slot's own random stream): the returned observation starts the new
-    episode, and ``info["final_obs"]`` (masked by ``info["_final_obs"]``) holds the last one of
-    the old. ``reset(seed=s)`` gives slot i the stream of seed ``s + i``.
+    A finished slot's next episode is drawn inside the step from the slot's own random stream,
+    and ``autoreset_mode`` (Gymnasium's modes, reported in ``metadata["autoreset_mode"]``) says
+    how :meth:`step` returns it:
+
+    - ``SAME_STEP`` (default): the returned observation starts the new episode, and
+      ``info["final_obs"]`` (masked by ``info["_final_obs"]``) holds the last one of the old.
+    - ``NEXT_STEP``: the step that ends an episode returns its last observation; the slot's next
+      step ignores its action and returns the new episode's first observation, reward 0, not
+      terminated, not truncated (the slot's state is held at that start while the others step).
+      Gymnasium's ``NormalizeObservation`` accepts only this mode.
+    - ``DISABLED`` (``autoreset=False``): finished slots are not reset; reset them with
+      ``reset(options={"reset_mask": ...})``.
+
+    :meth:`step_torch` always returns same-step autoreset (the step as the device ran it).
+    ``reset(seed=s)`` gives slot i the stream of seed ``s + i``.
 
     ## Arguments
     num_envs: parallel slots. obs_mode, action_mode, reward_mode: see above.
@@ -76,13 +87,15 @@ class FlashRTVectorEnv(VectorEnv):
     device: ``"auto"`` (CUDA when present), ``"cpu"`` or ``"cuda"``. graphs: capture the step as a
     CUDA graph (eager when False or on the CPU). start_cache_bytes: device bytes of seeded episode
     starts kept for repeated ``reset(seed=...)`` (default: one set where that is at most 1/16 of the
-    device's memory, else none). render_mode: ``"rgb_array"`` or None. autoreset: see above.
+    device's memory, else none). render_mode: ``"rgb_array"`` or None. autoreset: False for
+    ``AutoresetMode.DISABLED``. autoreset_mode: an :class:`~gymnasium.vector.AutoresetMode` or its
+    name (default ``SAME_STEP``, or ``DISABLED`` with ``autoreset=False``); see above.
     """
 
     metadata: ClassVar[dict[str, Any]] = {
         "render_modes": ["rgb_array"],
         "render_fps": 10,
-        "autoreset_mode": AutoresetMode.SAME_STEP,
+        "autoreset_mode": AutoresetMode.SAME_STEP,  # the default; each instance reports its own
     }
 
     def __init__(
@@ -105,11 +118,15 @@ class FlashRTVectorEnv(VectorEnv):
         start_cache_bytes: int | None = None,
         render_mode: str | None = None,
         autoreset: bool = True,
+        autoreset_mode: AutoresetMode | str | None = None,
     ) -> None:
         self.num_envs = arguments.count("num_envs", num_envs)
         self.obs_mode = arguments.choose("obs_mode", obs_mode, OBS_MODES)
         arguments.choose("render_mode", render_mode, (None, "rgb_array"))
-        self.render_mode, self.autoreset, self.device = render_mode, bool(autoreset), resolve_device(device)
+        self.autoreset_mode = _autoreset_mode(autoreset, autoreset_mode)
+        self.autoreset = self.autoreset_mode != AutoresetMode.DISABLED
+        self.metadata = {**type(self).metadata, "autoreset_mode": self.autoreset_mode}
+        self.render_mode, self.device = render_mode, resolve_device(device)
         if simulator is not None and task is not None:
             raise ValueError("pass task (the built-in tabletop's options) or simulator, not both")
         sim = simulator(self.num_envs) if simulator is not None else Tabletop(arguments.tabletop_config(task))
@@ -134,6 +151,7 @@ class FlashRTVectorEnv(VectorEnv):
             arguments.default_start_cache_bytes(self.engine) if start_cache_bytes is None else start_cache_bytes
         )
         self.started = False
+        self.waiting = np.zeros(self.num_envs, np.bool_)  # NEXT_STEP: ended last step, their next step resets
         self.single_action_space = spaces.Box(-1.0, 1.0, self.engine.inputs.action.shape[1:], np.float32)
         bound = np.inf if sim.observation_bound is None else sim.observation_bound
         single = {
@@ -188,41 +206,74 @@ class FlashRTVectorEnv(VectorEnv):
             if seed is not None and mask is None:
                 self.starts.put(seed, self.engine.snapshot())
         self.started = True
+        self.waiting[mask.cpu().numpy() if mask is not None else slice(None)] = False
         return self._obs(), self._reset_info()
 
     def _reset_info(self) -> dict[str, Any]:
         return {"instruction": self.engine.sim.instruction.cpu().numpy()}
 
     def step(self, actions: Any) -> tuple[Obs, np.ndarray, np.ndarray, np.ndarray, dict[str, Any]]:
-        """One chunk for every slot, NumPy in and out (one transfer each way)."""
+        """One chunk for every slot, NumPy in and out (one transfer each way).
+
+        Args:
+            actions: (num_envs, *single_action_space.shape) floats in [-1, 1].
+
+        Returns:
+            Observations, rewards, terminated, truncated and info, as ``autoreset_mode`` says
+            (see the class): with ``SAME_STEP``, ``info["final_obs"]`` / ``info["final_info"]``
+            (``is_success``) for the slots that finished; with ``NEXT_STEP``, ``info["is_success"]``.
+
+        Raises:
+            ValueError: actions of another shape or dtype, or out of bounds (the state is untouched).
+            RuntimeError: before the first ``reset()``, or after ``close()``.
+        """
         np.copyto(
             self._actions_np,
             arguments.host_actions(
                 actions, (self.num_envs, *self.single_action_space.shape), self.step_config.repeat_over_horizon
             ),
         )
+        waiting = self.waiting.copy() if self.waiting.any() else None
+        held = None if waiting is None else self.engine.snapshot(np.flatnonzero(waiting).tolist())
         self._launch(self._actions)  # the previous step's read-back finished with this buffer
+        if held is not None:  # NEXT_STEP: the waiting slots stay at their new episode's start
+            self.engine.restore(held, check=False)
         out = self._read(host=True)
-        info: dict[str, Any] = {}
-        if self.autoreset and out["env.out.done"].any():
-            done = out["env.out.done"]
+        obs, reward = self._pick(out, "obs"), out["env.out.reward"]
+        term, trunc = out["env.out.terminated"], out["env.out.truncated"]
+        if not self.autoreset:
+            return obs, reward, term, trunc, {}
+        done = out["env.out.done"]
+        if self.autoreset_mode == AutoresetMode.SAME_STEP:
             info = {
                 "final_obs": self._pick(out, "final"),
                 "_final_obs": done,
-                "final_info": {"is_success": out["env.out.terminated"], "_is_success": done},
+                "final_info": {"is_success": term, "_is_success": done},
                 "_final_info": done,
             }
-        return self._pick(out, "obs"), out["env.out.reward"], out["env.out.terminated"], out["env.out.truncated"], info
+            return obs, reward, term, trunc, info if done.any() else {}
+        if waiting is not None:  # their step was the reset: no reward, no end
+            for x in (reward, term, trunc, done):
+                x[waiting] = 0
+        self.waiting = done.copy()
+        obs = self._where(done, self._pick(out, "final"), obs)
+        return obs, reward, term, trunc, {"is_success": term, "_is_success": done} if done.any() else {}
 
     def step_torch(self, actions: torch.Tensor) -> tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor, dict]:
         """The step on tensors, for learners that keep everything on the device: observation(s),
         reward, terminated, truncated as device tensors (copies), and a tensor info.
+
+        Its autoreset is always the step's own, same-step (``info["final_obs"]`` masked by
+        ``info["_final_obs"]``), whatever ``autoreset_mode`` says; an env in ``NEXT_STEP`` mode
+        refuses it (the two would disagree on which slots wait for their reset).
 
         Device actions are checked on the device by the step's guard, in the same launch: the
         call waits until the guard has run (not for the step) to know whether the step ran; a
         bad action raises and leaves the state untouched."""
         if not isinstance(actions, torch.Tensor):
             raise TypeError(f"step_torch takes a torch.Tensor of actions, got {type(actions).__name__}; use step()")
+        if self.autoreset_mode == AutoresetMode.NEXT_STEP:
+            raise RuntimeError("step_torch autoresets in the same step; this env is NEXT_STEP: use step()")
         want = (self.num_envs, *self.single_action_space.shape)
         arguments.check_actions(actions, want, self.step_config.repeat_over_horizon)
         host = actions.device.type == "cpu" and self.device.type != "cpu"
@@ -258,14 +309,17 @@ class FlashRTVectorEnv(VectorEnv):
         self._check_open()
         if not isinstance(capsule, Capsule):
             raise TypeError(f"restore takes a Capsule (from snapshot() or Capsule.load), got {type(capsule).__name__}")
-        self.engine.restore(capsule, None if slots is None else self._slot_list(slots, "restore"))
+        targets = None if slots is None else self._slot_list(slots, "restore")
+        self.engine.restore(capsule, targets)
         self.started = True
+        self.waiting[list(targets or capsule.slots or range(self.num_envs))] = False
         return self._obs()
 
     def rollback(self, capsule: Capsule) -> Obs:
         """Return to an earlier boundary of this env; returns the observations."""
         self._check_open()
         self.engine.rollback(capsule)
+        self.waiting[list(capsule.slots or range(self.num_envs))] = False
         return self._obs()
 
     def fork(self, src_slot: int, dst_slots: Sequence[int], reseed: bool = False) -> Obs:
@@ -273,17 +327,26 @@ class FlashRTVectorEnv(VectorEnv):
         gets its own random streams (residual-mode noise and later episodes then differ)."""
         self._check_open()
         (src,) = self._slot_list([src_slot], "fork source")
-        self.engine.fork(src, self._slot_list(dst_slots, "fork"), reseed=bool(reseed))
+        dst = self._slot_list(dst_slots, "fork")
+        self.engine.fork(src, dst, reseed=bool(reseed))
+        self.waiting[dst] = False
         return self._obs()
+
+    @property
+    def instructions(self) -> tuple[str, ...]:
+        """The instructions this env's simulator knows, in its index order: what
+        :meth:`set_instruction` accepts, and what ``info["instruction"]`` (from ``reset``) indexes."""
+        self._check_open()
+        return tuple(self.engine.instructions.texts)
 
     def set_instruction(self, text: str, slots: Sequence[int] | None = None) -> Obs:
         """Hard interrupt: give ``slots`` (all if None) a new instruction between steps; its
         keys/values come from the instruction table, nothing is recaptured. Rewards and success
         follow the new instruction from the next step."""
         self._check_open()
-        texts = self.engine.instructions.texts
+        texts = self.instructions
         if text not in texts:
-            raise ValueError(f"unknown instruction {text!r}; this simulator's instructions are {list(texts)}")
+            raise ValueError(f"unknown instruction {text!r}; instructions (the env's .instructions) are {list(texts)}")
         idx = None if slots is None else torch.tensor(self._slot_list(slots, "set_instruction"), device=self.device)
         self.engine.set_instruction(texts.index(text), idx)
         return self._obs()
@@ -319,3 +382,23 @@ class FlashRTVectorEnv(VectorEnv):
 
     def _obs(self) -> Obs:
         return self._pick(self._read(host=True), "obs")
+
+    def _where(self, mask: np.ndarray, a: Obs, b: Obs) -> Obs:
+        """Slot i's observation from ``a`` where ``mask[i]``, else from ``b``."""
+        if isinstance(a, dict):
+            return {k: self._where(mask, a[k], b[k]) for k in a}
+        return np.where(mask.reshape(-1, *[1] * (a.ndim - 1)), a, b)
+
+
+def _autoreset_mode(autoreset: bool, mode: AutoresetMode | str | None) -> AutoresetMode:
+    """The env's autoreset mode from its two arguments (``autoreset=False`` is ``DISABLED``)."""
+    if mode is None:
+        return AutoresetMode.SAME_STEP if autoreset else AutoresetMode.DISABLED
+    names = [m.name for m in AutoresetMode]
+    if isinstance(mode, str) and mode.upper() in names:
+        mode = AutoresetMode[mode.upper()]
+    if not isinstance(mode, AutoresetMode):
+        raise ValueError(f"autoreset_mode must be a gymnasium.vector.AutoresetMode or one of {names}, got {mode!r}")
+    if not autoreset and mode != AutoresetMode.DISABLED:
+        raise ValueError(f"autoreset=False is autoreset_mode=DISABLED, got autoreset_mode={mode.name}: pass one")
+    return mode
