@@ -34,7 +34,7 @@ from flashrt.kernels import rng
 from flashrt.policies import FlowPolicy, InstructionTable, PolicyConfig, PolicyPipeline, deployment_digest, policy_specs
 from flashrt.runtime import BufferSpec, Capsule, Graph, scratch, slot
 from flashrt.runtime.views import bind_views
-from flashrt_gym.external import ExternalSimulator, Mirror, is_external
+from flashrt_gym.external import ExternalSimulator, Mirror, check_simulator, is_external
 from flashrt_gym.simulator import Simulator
 
 ObsForm = Literal["state", "features", "rgb"]
@@ -132,6 +132,7 @@ class Engine:
         backend: runtime.graphs.Backend = "auto",
     ) -> None:
         c = model.cfg
+        check_simulator(sim)
         self.mirror = Mirror(sim) if is_external(sim) else None
         sim = self.mirror or sim
         _check_fit(sim, c, cfg)

@@ -19,6 +19,7 @@ the second graph, after the final observation was taken.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
@@ -28,7 +29,7 @@ import torch
 
 from flashrt.runtime import BufferSet, BufferSpec, scratch, slot
 from flashrt.runtime.views import bind_views
-from flashrt_gym.simulator import BoundState
+from flashrt_gym.simulator import BoundState, Simulator
 
 
 @runtime_checkable
@@ -100,6 +101,77 @@ def is_external(sim: object) -> bool:
     """Whether ``sim`` is an external simulator (it moves state rows in and out) rather than an
     in-graph one; decided on its class, so no property of an unbound simulator is read."""
     return all(callable(getattr(type(sim), name, None)) for name in ("get_state", "set_state"))
+
+
+_MISSING = object()
+
+
+def _members(protocol: type) -> tuple[list[str], list[str]]:
+    """A protocol's (attributes, methods), in declaration order: annotated names and properties
+    are attributes (present), functions are methods (callable)."""
+    attributes = [n for n in getattr(protocol, "__annotations__", {}) if not n.startswith("_")]
+    methods = []
+    for name, value in vars(protocol).items():
+        if name.startswith("_"):
+            continue
+        if isinstance(value, property):
+            attributes.append(name)
+        elif callable(value):
+            methods.append(name)
+    return attributes, methods
+
+
+def _callable(value: object) -> bool:
+    return callable(value) or isinstance(value, (classmethod, staticmethod))
+
+
+def missing_members(sim: object) -> tuple[type, list[str]]:
+    """The protocol ``sim`` (a simulator, or a simulator class) aims at and the members it lacks.
+
+    ``sim`` aims at :class:`ExternalSimulator` when it defines ``get_state`` or ``set_state``,
+    else at the in-graph :class:`~flashrt_gym.simulator.Simulator`. Members are looked up without
+    running them (``inspect.getattr_static``), so an unbound simulator's properties are not read.
+    For a class only the methods can be checked: data members are set by its ``__init__``.
+
+    Args:
+        sim: a simulator instance or class.
+
+    Returns:
+        The protocol, and the names it declares that ``sim`` lacks (a method counts as lacking
+        when ``sim``'s member of that name is not callable), in the protocol's order.
+    """
+    aims_external = any(inspect.getattr_static(sim, n, _MISSING) is not _MISSING for n in ("get_state", "set_state"))
+    protocol = ExternalSimulator if aims_external else Simulator
+    attributes, methods = _members(protocol)
+    missing = (
+        [] if isinstance(sim, type) else [n for n in attributes if inspect.getattr_static(sim, n, _MISSING) is _MISSING]
+    )
+    missing += [n for n in methods if not _callable(inspect.getattr_static(sim, n, None))]
+    return protocol, missing
+
+
+def check_simulator(sim: object) -> None:
+    """Refuse a simulator (or simulator class) that lacks members of the protocol it aims at,
+    naming every missing member in one error, before anything reads them.
+
+    :func:`flashrt_gym.register_simulator` calls it on a simulator class when it is registered,
+    and every env's engine on the simulator it is given, before anything else touches it.
+
+    Args:
+        sim: a simulator instance, or a class (then only its methods are checked).
+
+    Raises:
+        TypeError: ``sim`` lacks members of :class:`ExternalSimulator` (it defines ``get_state``
+            or ``set_state``) or of :class:`~flashrt_gym.simulator.Simulator` (otherwise).
+    """
+    protocol, missing = missing_members(sim)
+    if missing:
+        what = sim.__name__ if isinstance(sim, type) else type(sim).__name__
+        raise TypeError(
+            f"{what} is not a complete {protocol.__module__}.{protocol.__name__}: it lacks {', '.join(missing)}. "
+            f"Define every member the protocol lists (a complete example: flashrt_gym/sims/mujoco_cpu.py for an "
+            f"external simulator, flashrt_gym/tasks/tabletop.py for an in-graph one)"
+        )
 
 
 @dataclass(frozen=True)
