@@ -17,7 +17,7 @@ from typing import Any
 
 import gymnasium
 
-from flashrt_gym.env import FlashRTVectorEnv
+from flashrt_gym.env import MAX_EPISODE_STEPS, FlashRTVectorEnv
 from flashrt_gym.external import ExternalSimulator
 from flashrt_gym.simulator import Simulator
 from flashrt_gym.single import FlashRTEnv
@@ -52,6 +52,7 @@ def register_simulator(env_id: str, simulator: Callable[[], Simulator | External
         id=env_id,
         entry_point=functools.partial(FlashRTEnv, simulator=simulator, **defaults),
         vector_entry_point=functools.partial(FlashRTVectorEnv, simulator=simulator, **defaults),
+        max_episode_steps=defaults.get("max_episode_steps", MAX_EPISODE_STEPS),  # the env's own truncation
     )
 
 
@@ -59,6 +60,7 @@ gymnasium.register(
     id="FlashRT-VLA",
     entry_point="flashrt_gym.single:FlashRTEnv",
     vector_entry_point="flashrt_gym.env:FlashRTVectorEnv",
+    max_episode_steps=MAX_EPISODE_STEPS,  # gym.make's TimeLimit then truncates on the env's own step
 )
 
 import flashrt_gym.sims  # noqa: E402, F401  registers the MuJoCo push task's ids (imports no mujoco until made)

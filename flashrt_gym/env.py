@@ -33,6 +33,7 @@ OBS_MODES = ("state", "features", "rgb", "dict")
 ACTION_MODES = ("noise", "residual")
 REWARD_MODES = ("dense", "sparse")
 Obs = np.ndarray | dict[str, np.ndarray]
+MAX_EPISODE_STEPS = 40  # chunks of an episode by default (the registered ids' max_episode_steps)
 
 
 class FlashRTVectorEnv(VectorEnv):
@@ -109,7 +110,7 @@ class FlashRTVectorEnv(VectorEnv):
         residual_scale: float = 0.5,
         repeat_over_horizon: bool = False,
         n_action_steps: int = 4,
-        max_episode_steps: int = 40,
+        max_episode_steps: int = MAX_EPISODE_STEPS,
         task: TabletopConfig | dict | None = None,
         simulator: Callable[[int], Simulator | ExternalSimulator] | None = None,
         weights: str | os.PathLike | None = None,
