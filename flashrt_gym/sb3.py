@@ -5,7 +5,8 @@ NumPy at the boundary, same-step autoreset as SB3 expects: a finished slot's inf
 ``TimeLimit.truncated`` (truncated and not terminated), and ``is_success`` for SB3's success
 logging. Seeds and options set with ``seed()`` / ``set_options()`` apply at the next ``reset()``.
 The env is one batched object, so ``get_attr`` / ``env_method`` answer once per requested index
-with the same (whole-env) value.
+with the same (whole-env) value. Wrap it in SB3's ``VecMonitor`` for episode returns and lengths
+(SB3 then logs ``rollout/ep_rew_mean`` and ``ep_len_mean``).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+from gymnasium.vector import AutoresetMode
 from stable_baselines3.common.vec_env.base_vec_env import VecEnv, VecEnvIndices, VecEnvObs, VecEnvStepReturn
 
 from flashrt_gym.env import FlashRTVectorEnv
@@ -22,9 +24,17 @@ from flashrt_gym.env import FlashRTVectorEnv
 class SB3VecEnv(VecEnv):
     """Wrap a :class:`FlashRTVectorEnv` (or build one from ``kwargs``) for SB3 algorithms.
 
+    Args:
+        env: a vector env in ``AutoresetMode.SAME_STEP`` (the default), or None to build one.
+        **kwargs: :class:`FlashRTVectorEnv` arguments, when ``env`` is None.
+
+    Raises:
+        ValueError: both ``env`` and ``kwargs``, or an env in another autoreset mode.
+
     Example:
         >>> from stable_baselines3 import SAC
-        >>> env = SB3VecEnv(num_envs=16)
+        >>> from stable_baselines3.common.vec_env import VecMonitor
+        >>> env = VecMonitor(SB3VecEnv(num_envs=16))  # episode statistics: SB3 logs ep_rew_mean
         >>> SAC("MlpPolicy", env).learn(10_000)
     """
 
@@ -33,8 +43,11 @@ class SB3VecEnv(VecEnv):
             env = FlashRTVectorEnv(**kwargs)
         elif kwargs:
             raise ValueError(f"pass either an env or the arguments to build one, not both (got {sorted(kwargs)})")
-        if not env.autoreset:
-            raise ValueError("SB3 needs an env that resets finished slots itself: build it with autoreset=True")
+        if env.autoreset_mode != AutoresetMode.SAME_STEP:
+            raise ValueError(
+                "SB3 needs an env that resets finished slots in the same step: build it with autoreset=True and "
+                f"autoreset_mode=SAME_STEP (the default), got {env.autoreset_mode.name}"
+            )
         self.env = env
         self._actions: np.ndarray | None = None
         super().__init__(env.num_envs, env.single_observation_space, env.single_action_space)

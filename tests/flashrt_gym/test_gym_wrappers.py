@@ -152,3 +152,23 @@ def test_observation_wrappers_refuse_same_step_as_gymnasium_says(wrapper):
     args = {vw.DtypeObservation: (np.float64,)}.get(wrapper, ())
     with pytest.raises(ValueError, match="NEXT_STEP"):
         wrapper(make(AutoresetMode.SAME_STEP), *args)
+
+
+def test_sb3_under_vec_monitor_logs_episodes_and_refuses_other_modes(micro):
+    from stable_baselines3 import SAC
+    from stable_baselines3.common.vec_env import VecMonitor
+
+    from flashrt_gym.sb3 import SB3VecEnv
+
+    venv = VecMonitor(SB3VecEnv(make(AutoresetMode.SAME_STEP)))
+    venv.reset()
+    infos = []
+    for _ in range(STEPS):
+        *_, info = venv.step(np.zeros((N, 16), np.float32))
+        infos += info
+    assert [i["episode"]["l"] for i in infos if "episode" in i] == [STEPS] * N
+    model = SAC("MlpPolicy", venv, learning_starts=2, batch_size=4, verbose=0).learn(4 * N)
+    assert len(model.ep_info_buffer) >= N  # what SB3 logs as rollout/ep_rew_mean
+    for mode in (AutoresetMode.NEXT_STEP, AutoresetMode.DISABLED):
+        with pytest.raises(ValueError, match=f"SAME_STEP.*got {mode.name}"):
+            SB3VecEnv(make(mode))
