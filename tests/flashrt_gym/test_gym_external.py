@@ -12,10 +12,13 @@ import types
 from dataclasses import replace
 
 import gymnasium as gym
-import mujoco
 import numpy as np
 import pytest
 import torch
+
+pytest.importorskip("mujoco", reason="the adapter needs the mujoco extra")
+
+import mujoco
 
 import flashrt_gym
 from flashrt_gym.external import ExternalSimulator, _members, check_simulator, missing_members
