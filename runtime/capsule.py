@@ -92,8 +92,15 @@ class Capsule:
         return d.num_rows * d.row_bytes + d.shared_bytes
 
     def __repr__(self) -> str:
+        """Says where the bytes are: the ``gpu`` tier is the compute device's memory, so a capsule of
+        a CPU-only run shows ``tier=device (cpu)``, not ``gpu``; the file of the ``disk`` tier is named."""
         slots = "all" if self.slots is None else list(self.slots)
-        return f"Capsule({len(self.descriptor.entries)} buffers, slots={slots}, {self.nbytes} B, tier={self.tier})"
+        where = {
+            "gpu": f"{'gpu' if self.device.type == 'cuda' else 'device'} ({self.device})",
+            "host": "host",
+            "disk": f"disk ({self.path})",
+        }[self.tier]
+        return f"Capsule({len(self.descriptor.entries)} buffers, slots={slots}, {self.nbytes} B, tier={where})"
 
     def tensor(self, name: str) -> torch.Tensor:
         """A typed view of one buffer's bytes in the capsule, without a copy: ``(k, *shape)``

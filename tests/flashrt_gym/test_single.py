@@ -32,6 +32,7 @@ def test_capsule_verbs_through_unwrapped_and_get_wrapper_attr(make):
     first, _ = env.reset(seed=3)
     cap = env.unwrapped.snapshot()
     assert env.get_wrapper_attr("snapshot")().nbytes == cap.nbytes
+    assert repr(cap).endswith("tier=device (cpu))")  # the gpu tier's copy here is in CPU memory: not "tier=gpu"
     ahead = [env.step(np.full(16, 0.5, np.float32))[0] for _ in range(3)]
     assert np.array_equal(env.get_wrapper_attr("rollback")(cap), first)
     assert all(np.array_equal(env.step(np.full(16, 0.5, np.float32))[0], a) for a in ahead)  # the same future
