@@ -20,7 +20,8 @@ def warp_api() -> SimpleNamespace:
         import warp as wp
     except ImportError as e:
         raise ImportError(
-            "the MuJoCo Warp simulator needs `pip install mujoco-warp` (it brings warp-lang) and a CUDA GPU"
+            "the MuJoCo Warp simulator needs the pinned versions it was tested with, "
+            f'`pip install -e ".[mujoco-warp]"` (mujoco-warp, warp-lang), and a CUDA GPU: {e}'
         ) from e
     wp.init()
 

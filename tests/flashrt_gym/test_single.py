@@ -1,6 +1,8 @@
 """The one-slot env through ``gym.make``, as Gymnasium 1.x users reach it: capsule verbs through
 ``unwrapped`` / ``get_wrapper_attr``, errors in its own shapes, and the registered episode limit."""
 
+import importlib.util
+
 import gymnasium as gym
 import numpy as np
 import pytest
@@ -76,3 +78,9 @@ def test_the_time_limit_ends_an_episode_on_the_envs_own_step_once(make, micro):
     vec = gym.make_vec("FlashRT-VLA", 2, vectorization_mode="vector_entry_point", device="cpu", weights=micro)
     assert vec.step_config.max_episode_steps == 40
     assert FlashRTEnv(device="cpu", weights=micro, max_episode_steps=50).vec.step_config.max_episode_steps == 50
+
+
+@pytest.mark.skipif(importlib.util.find_spec("mujoco_warp") is not None, reason="MuJoCo Warp is installed here")
+def test_a_missing_simulator_dependency_names_the_pinned_extra():
+    with pytest.raises(ImportError, match=r'pip install -e "\.\[mujoco-warp\]"'):
+        gym.make("FlashRT-MuJoCoWarpPush", device="cpu")
