@@ -14,14 +14,18 @@ Importing this package registers ``FlashRT-MuJoCoPush`` (the CPU simulator) and
 ``mujoco``, ``warp`` and ``mujoco_warp`` are imported only when a simulator is made.
 """
 
+import functools
 import importlib
+from collections.abc import Sequence
 from typing import Any
 
 from flashrt_gym import register_simulator
+from flashrt_gym.sims.metaworld_tasks import INSTRUCTIONS as METAWORLD_TASKS
 
 _LAZY = {
     "MujocoPush": "flashrt_gym.sims.mujoco_cpu",
     "WarpPush": "flashrt_gym.sims.mujoco_warp",
+    "MetaWorld": "flashrt_gym.sims.metaworld_cpu",
     "PushConfig": "flashrt_gym.sims.push",
     "PushTask": "flashrt_gym.sims.push",
     "SCENE": "flashrt_gym.sims.push",
@@ -46,7 +50,18 @@ def warp_push(num_envs: int, cfg: Any = None, **options: Any) -> Any:
     return __getattr__("WarpPush")(num_envs, cfg, **options)
 
 
+def metaworld(
+    num_envs: int, tasks: str | Sequence[str] = "MT10", threads: int = 1, image_size: int = 64, camera: str = "overview"
+) -> Any:
+    """``FlashRT-MetaWorld-*``'s simulator: :class:`MetaWorld` of ``num_envs`` slots of Meta-World
+    ``tasks`` (``"MT10"`` or task names) stepped by ``threads`` CPU threads."""
+    return __getattr__("MetaWorld")(num_envs, tasks, threads, image_size, camera)
+
+
 register_simulator("FlashRT-MuJoCoPush", mujoco_push)
 register_simulator("FlashRT-MuJoCoWarpPush", warp_push)
+register_simulator("FlashRT-MetaWorld-MT10-v0", functools.partial(metaworld, tasks="MT10"))
+for _task in METAWORLD_TASKS:  # FlashRT-MetaWorld-reach-v0 runs Meta-World's reach-v3 (MT1)
+    register_simulator(f"FlashRT-MetaWorld-{_task.removesuffix('-v3')}-v0", functools.partial(metaworld, tasks=_task))
 
-__all__ = ["mujoco_push", "warp_push", *_LAZY]
+__all__ = ["metaworld", "mujoco_push", "warp_push", *_LAZY]

@@ -1,0 +1,213 @@
+"""Meta-World behind the external-simulator verbs: exact capsules on every MT10 task (restore into a
+fresh simulator continues byte for byte; without the model rows or the Python fields it departs),
+fork, refused rows, the MuJoCo 4 shim, Meta-World's success rule, and the registered ids."""
+
+import hashlib
+import os
+
+os.environ.setdefault("MUJOCO_GL", "egl")  # MuJoCo picks its OpenGL backend when it is first imported
+
+import gymnasium as gym
+import numpy as np
+import pytest
+
+pytest.importorskip("metaworld", reason="Meta-World is installed by scripts/install_metaworld.sh")
+
+import mujoco
+from metaworld.env_dict import ALL_V3_ENVIRONMENTS, MT10_V3
+
+import flashrt_gym  # noqa: F401  (registers the ids)
+from flashrt_gym.sims.metaworld_cpu import HEAD, MetaWorld
+from flashrt_gym.sims.metaworld_state import (
+    WELD_DATA,
+    Views,
+    dump_fields,
+    encode,
+    load_fields,
+    model_rows,
+    reset_mocap_welds,
+    write_fields,
+    write_model_rows,
+)
+from flashrt_gym.sims.metaworld_tasks import INSTRUCTIONS, MT10
+
+N = len(MT10)
+
+
+def started(slots: int = N) -> MetaWorld:
+    """An MT10 simulator (slot i runs task i % 10), seeded, reset and a few chunks in."""
+    sim = MetaWorld(slots)
+    sim.seed(np.arange(slots) + 40)
+    sim.reset()
+    rng = np.random.default_rng(1)
+    for _ in range(2):
+        sim.run_ticks(rng.uniform(-1, 1, (slots, 4, 4)))
+    return sim
+
+
+def continuation(sim: MetaWorld, count: int = 2) -> tuple[list[list[bytes]], list[list[bytes]]]:
+    """Per slot, the bytes of what the next ``count`` chunks, a reset and one more chunk give
+    (rewards, observations, the camera's frames), and the state rows along the way."""
+    rng = np.random.default_rng(7)
+    outputs: list[list[bytes]] = [[] for _ in range(sim.num_slots)]
+    rows: list[list[bytes]] = [[] for _ in range(sim.num_slots)]
+
+    def record(*arrays: np.ndarray) -> None:
+        state = sim.get_state()
+        for i in range(sim.num_slots):
+            outputs[i] += [a[i].tobytes() for a in arrays]
+            rows[i].append(state[i].tobytes())
+
+    for _ in range(count):
+        dense, sparse = sim.run_ticks(rng.uniform(-1, 1, (sim.num_slots, 4, 4)))
+        record(dense, sparse, sim.observation(), sim.render())
+    sim.reset()
+    dense, sparse = sim.run_ticks(rng.uniform(-1, 1, (sim.num_slots, 4, 4)))
+    record(dense, sparse, sim.observation())
+    return outputs, rows
+
+
+def test_restore_into_a_fresh_simulator_continues_byte_for_byte_and_partial_rows_depart():
+    """Every MT10 task: a fresh simulator given the source's rows continues as the source does,
+    through a reset (the reset RNG travels in the Python fields). Restoring all but the model rows
+    (the restoring instance's fixtures and goal marker stay) or all but the Python fields (its
+    target, previous observation, path length and RNG stay) departs on every task."""
+    source, sim = started(), MetaWorld(N)
+    sim.seed(np.arange(N) + 1000)  # the restoring simulator runs episodes of its own streams
+    sim.reset()
+    fields_of = [sim.model_fields[sim.task_names[t]] for t in sim.task]
+    own_rows = [model_rows(e.model, f) for e, f in zip(sim.envs, fields_of, strict=True)]
+    own_fields = [dump_fields(e, v) for e, v in zip(sim.envs, sim._views, strict=True)]
+    rows = source.get_state()
+    sim.set_state(None, rows)
+    assert np.array_equal(sim.get_state(), rows)
+    for e in sim.envs:  # the live views are the restoring instance's own memory
+        assert np.shares_memory(e.init_left_pad, e.data.xpos) and np.shares_memory(e.init_right_pad, e.data.xpos)
+    got, want = continuation(sim), continuation(source)
+    assert got == want
+
+    sim.set_state(None, rows)  # without the model rows: its own stay
+    for e, f, raw in zip(sim.envs, fields_of, own_rows, strict=True):
+        write_model_rows(e.model, f, raw)
+    no_model, _ = continuation(sim)
+    sim.set_state(None, rows)  # without the Python fields: its own stay
+    for e, v, raw in zip(sim.envs, sim._views, own_fields, strict=True):
+        write_fields(e, load_fields(raw, v))
+    no_fields, _ = continuation(sim)
+    for name, a, b, c in zip(MT10, want[0], no_model, no_fields, strict=True):
+        assert a != b, f"{name}: the model rows made no difference"
+        assert a != c, f"{name}: the Python fields made no difference"
+
+
+@pytest.fixture(scope="module")
+def pair() -> MetaWorld:
+    """Two slots of each MT10 task: slot i and i + 10 share a task."""
+    return started(2 * N)
+
+
+def test_fork_with_equal_actions_stays_identical(pair):
+    """Slot i's row forked into slot i + 10 (the same task): equal actions give the same bytes in
+    both, through the next reset drawn from the same stream; reseeded, they part."""
+    lo, hi = np.arange(N), np.arange(N, 2 * N)
+    pair.set_state(hi, pair.get_state(lo))
+    rng = np.random.default_rng(3)
+    for k in range(3):
+        a = rng.uniform(-1, 1, (N, 4, 4))
+        dense, sparse = pair.run_ticks(np.concatenate([a, a]))
+        if k == 1:
+            pair.reset()
+        obs, img, rows = pair.observation(), pair.render(), pair.get_state()
+        for x in (dense, sparse, obs, img, rows):
+            assert np.array_equal(x[lo], x[hi])
+    pair.seed(np.arange(N) + 500, hi)  # reseeded branches draw other episodes, on every task
+    pair.reset()
+    obs = pair.observation()
+    assert all(not np.array_equal(obs[i], obs[i + N]) for i in lo)
+
+
+def test_refused_rows_change_nothing(pair):
+    """A corrupted row (its checksum), a forged one (another layout's tag, non-finite physics,
+    undecodable Python fields, its checksum made to match), another task's row, a row of another
+    simulator (MT1) and a batch with one bad row are refused, naming the problem, before any slot
+    changes: the good row in the batch is not written either."""
+    before = pair.get_state()
+    good = before[[1]]
+
+    def forged(edit) -> np.ndarray:
+        row = before[[0]].copy()
+        edit(row[0])
+        row[0, -32:] = np.frombuffer(hashlib.sha256(row[0, :-32].tobytes()).digest(), np.uint8)
+        return row
+
+    physics_at = pair._physics_at
+    cases = {
+        "checksum": before[[0]].copy(),
+        "another simulator": forged(lambda r: r[:8].view(np.int64).__setitem__(0, 12345)),
+        "non-finite": forged(lambda r: r[physics_at : physics_at + 8].view(np.float64).__setitem__(0, np.nan)),
+        "Python fields": forged(lambda r: r.__setitem__(slice(8 * len(HEAD) + 8 * 39, 8 * len(HEAD) + 8 * 39 + 2), 0)),
+    }
+    cases["checksum"][0, physics_at + 3] ^= 1
+    for words, row in cases.items():
+        with pytest.raises(ValueError, match=words):
+            pair.set_state([0], row)
+    with pytest.raises(ValueError, match="restore rows into slots of their own task"):
+        pair.set_state([2], good)
+    with pytest.raises(ValueError, match="slot 0 .* non-finite"):
+        pair.set_state([11, 0], np.concatenate([good, cases["non-finite"]]))
+    mt1 = MetaWorld(1, "reach-v3")
+    with pytest.raises(ValueError, match="rows of get_state"):
+        pair.set_state([0], mt1.get_state())
+    assert np.array_equal(pair.get_state(), before)
+
+
+def test_the_shim_writes_mujoco_3s_weld_numbers_and_keeps_mujoco_4s_rest():
+    """Meta-World 3.1.1's own ``reset_mocap_welds`` fails on MuJoCo 4 (12 numbers a weld, not 11);
+    the shim writes the 11 and leaves the 12th as compiled."""
+    cls = ALL_V3_ENVIRONMENTS["reach-v3"]
+    if mujoco.mjNEQDATA > len(WELD_DATA):
+        with pytest.raises(ValueError, match="broadcast"):
+            cls()
+    env = type(cls.__name__, (cls,), {"reset_mocap_welds": reset_mocap_welds})()
+    compiled = mujoco.MjModel.from_xml_path(env.fullpath)
+    welds = np.flatnonzero(env.model.eq_type == mujoco.mjtEq.mjEQ_WELD)
+    assert welds.size
+    assert np.array_equal(env.model.eq_data[welds, : len(WELD_DATA)], np.tile(WELD_DATA, (welds.size, 1)))
+    assert np.array_equal(env.model.eq_data[welds, len(WELD_DATA) :], compiled.eq_data[welds, len(WELD_DATA) :])
+
+
+def test_the_field_rule_refuses_what_it_cannot_hold_by_name():
+    """A field of a type the rule does not know is refused with its name, not dropped."""
+    sim = MetaWorld(1, "reach-v3")
+    env = sim.envs[0]
+    with pytest.raises(TypeError, match="field extra"):
+        encode(object(), Views(env), "extra")
+    vars(env)["extra"] = object()
+    with pytest.raises(TypeError, match="field extra"):
+        sim.get_state()
+
+
+def test_metaworld_success_rule_freezes_the_slot_and_the_expert_reaches_it():
+    """Meta-World's scripted reach policy succeeds within its horizon; ``info["success"]`` sets
+    the flag, the slot is frozen (its state no longer moves) and the sparse reward stops."""
+    sim = MetaWorld(2, "reach-v3")
+    sim.seed(np.array([5, 6]))
+    sim.reset()
+    for _ in range(40):
+        dense, sparse = sim.run_ticks(np.stack([sim.expert()] * 4, axis=1))
+        if sim.success().all():
+            break
+    assert sim.success().all()
+    rows = sim.get_state()
+    dense, sparse = sim.run_ticks(np.ones((2, 4, 4)))
+    assert np.array_equal(sim.get_state(), rows) and not dense.any() and not sparse.any()
+
+
+def test_task_tables_and_registered_ids_match_metaworld():
+    """The instruction table covers Meta-World's 50 tasks, MT10 is Meta-World's own, and each
+    task and MT10 has an id."""
+    assert list(INSTRUCTIONS) == list(ALL_V3_ENVIRONMENTS)
+    assert list(MT10) == list(MT10_V3)
+    assert len(set(INSTRUCTIONS.values())) == len(INSTRUCTIONS)
+    ids = set(gym.registry)
+    assert "FlashRT-MetaWorld-MT10-v0" in ids
+    assert all(f"FlashRT-MetaWorld-{n.removesuffix('-v3')}-v0" in ids for n in INSTRUCTIONS)
