@@ -4,4 +4,5 @@
 # then pytest. Extra arguments go to pytest, e.g. `bash scripts/test.sh -m cuda`.
 set -euo pipefail
 source "$(dirname "$0")/setup.sh"
+bash scripts/install_metaworld.sh "$py"  # Meta-World beside MuJoCo 4 (see the script)
 exec "$py" -m pytest "$@"
