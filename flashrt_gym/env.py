@@ -52,6 +52,11 @@ class FlashRTVectorEnv(VectorEnv):
     end-effector, objects, target and goal one-hot). ``"features"``: the policy's pooled prefix
     embedding of the newest frame plus the proprioceptive state, what a VLA-steering agent sees
     in DSRL. ``"rgb"``: the first camera's uint8 frame. ``"dict"``: all three.
+    Bounds: ``state`` within the simulator's ``observation_bound``; ``features``' embedding within
+    ``sqrt(width) * |scale|`` per number (a pooled RMS-normed row: no number of a row of ``width``
+    exceeds ``sqrt(width)`` times its RMS), its proprioception within ``observation_bound``
+    (the built-in simulators' proprioception is the end effector of their observation). Where a
+    simulator gives no ``observation_bound`` those numbers are unbounded (and the checkers warn).
 
     ## Rewards
     Per tick, summed over the ``n_action_steps`` ticks of a chunk: the simulator's ``dense``
@@ -155,9 +160,10 @@ class FlashRTVectorEnv(VectorEnv):
         self.waiting = np.zeros(self.num_envs, np.bool_)  # NEXT_STEP: ended last step, their next step resets
         self.single_action_space = spaces.Box(-1.0, 1.0, self.engine.inputs.action.shape[1:], np.float32)
         bound = np.inf if sim.observation_bound is None else sim.observation_bound
+        low, high = _feature_bounds(model.prefix_norm.scale(), sim.proprio_dim, bound)
         single = {
             "state": spaces.Box(-bound, bound, (sim.observation_dim,), np.float32),
-            "features": spaces.Box(-np.inf, np.inf, (model.cfg.width + sim.proprio_dim,), np.float32),
+            "features": spaces.Box(low, high, dtype=np.float32),
             "rgb": spaces.Box(0, 255, (model.cfg.image_size, model.cfg.image_size, 3), np.uint8),
         }
         self.single_observation_space = spaces.Dict(single) if obs_mode == "dict" else single[obs_mode]
@@ -389,6 +395,19 @@ class FlashRTVectorEnv(VectorEnv):
         if isinstance(a, dict):
             return {k: self._where(mask, a[k], b[k]) for k in a}
         return np.where(mask.reshape(-1, *[1] * (a.ndim - 1)), a, b)
+
+
+def _feature_bounds(scale: torch.Tensor, proprio_dim: int, proprio_bound: float) -> tuple[np.ndarray, np.ndarray]:
+    """Low and high of the ``features`` observation: the pooled embedding's guaranteed bound (with
+    room for bf16 rounding of the normed row and of its scaling), then the proprioception's."""
+    width = scale.numel()
+    high = np.concatenate(
+        [
+            np.sqrt(width) * scale.detach().float().abs().cpu().numpy() * (1 + 2**-6),
+            np.full(proprio_dim, proprio_bound),
+        ]
+    ).astype(np.float32)
+    return -high, high
 
 
 def _autoreset_mode(autoreset: bool, mode: AutoresetMode | str | None) -> AutoresetMode:

@@ -2,6 +2,7 @@
 ``unwrapped`` / ``get_wrapper_attr``, errors in its own shapes, and the registered episode limit."""
 
 import importlib.util
+import warnings
 
 import gymnasium as gym
 import numpy as np
@@ -84,3 +85,22 @@ def test_the_time_limit_ends_an_episode_on_the_envs_own_step_once(make, micro):
 def test_a_missing_simulator_dependency_names_the_pinned_extra():
     with pytest.raises(ImportError, match=r'pip install -e "\.\[mujoco-warp\]"'):
         gym.make("FlashRT-MuJoCoWarpPush", device="cpu")
+
+
+@pytest.mark.parametrize("obs_mode", ["features", "dict"])
+def test_feature_bounds_are_finite_and_hold_so_neither_checker_warns(micro, obs_mode):
+    from gymnasium.utils.env_checker import check_env
+    from stable_baselines3.common.env_checker import check_env as sb3_check
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        check_env(FlashRTEnv(device="cpu", weights=micro, obs_mode=obs_mode), skip_render_check=True)
+        sb3_check(FlashRTEnv(device="cpu", weights=micro, obs_mode=obs_mode))
+    assert not [str(w.message) for w in caught if "infinity" in str(w.message) or "bound" in str(w.message)]
+    env = FlashRTEnv(device="cpu", weights=micro, obs_mode=obs_mode, max_episode_steps=2)
+    env.reset(seed=0)
+    for _ in range(6):  # through episode ends: every observation lies in the space
+        obs, _, term, trunc, _ = env.step(env.action_space.sample())
+        assert obs in env.observation_space
+        if term or trunc:
+            env.reset()
