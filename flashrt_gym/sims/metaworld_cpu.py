@@ -385,7 +385,7 @@ class MetaWorld:
                 else "it is another simulator's (another layout)"
                 if tag != self._tag
                 else f"it holds task {task} ({self.task_names[task] if 0 <= task < len(self.task_names) else '?'}), "
-                f"the slot task {t} ({self.task_names[t]}); restore rows into slots of their own task"
+                f"the slot's task {t} ({self.task_names[t]}); restore rows into slots of their own task"
                 if task != t
                 else "its instruction or success flag is out of range"
                 if not (0 <= instr < len(self.instructions) and success in (0, 1) and 0 <= n <= self.fields_capacity)
