@@ -29,6 +29,7 @@ from flashrt_gym.fast_sac import FastSAC, FastSACConfig
 from flashrt_gym.splits import train_seed
 from flashrt_gym.training import (
     ConfigError,
+    Progress,
     RunLog,
     deadline,
     device_of,
@@ -40,7 +41,7 @@ from flashrt_gym.training import (
 )
 
 CHECK_EVERY = 16
-"""Env steps between time-limit checks (under data parallelism, rank 0 decides and broadcasts)."""
+"""Env steps between time-limit checks on a GPU (under data parallelism, rank 0 decides and broadcasts)."""
 
 
 def init_distributed() -> tuple[int, int, int, bool]:
@@ -93,11 +94,16 @@ def train_fast(cfg: DictConfig, out: Path, launch: float) -> dict[str, Any]:
         env_steps = int(sac.load(cfg.resume)["env_steps"])
         if cfg.resume_replay_buffer:
             sac.load(replay_file(cfg.resume, rank), replay=True)
-    log = None
+    log, base_s = None, 0.0
     if lead:
         eval_env = make_env(cfg, cfg.eval.episodes, autoreset=False, device=device)
+        t = time.time()
         base = evaluate_base(cfg, {"validation": cfg.eval.episodes, "test": cfg.eval.test_episodes}, device)
-        log = RunLog(cfg, out, launch, base)
+        base_s = time.time() - t  # what the final evaluation (the same episodes) will take
+    stop_at = deadline(cfg, launch, base_s)
+    progress = Progress(cfg.total_steps, env_steps, stop_at, disable=not lead)
+    if lead:
+        log = RunLog(cfg, out, launch, base, progress)
     ckpt = out / "checkpoints"
     validated_at = -1
 
@@ -126,7 +132,7 @@ def train_fast(cfg: DictConfig, out: Path, launch: float) -> dict[str, Any]:
         dist.broadcast(flag, 0)
         return bool(flag.item())
 
-    stop_at = deadline(cfg, launch)
+    check_every = 1 if device == "cpu" else CHECK_EVERY  # a time check costs a CPU run nothing
     every, test_at = cfg.eval.every, sorted(cfg.eval.test_at)
     next_eval = (env_steps // every + 1) * every
     obs = torch.tensor(env.reset(seed=seed)[0], device=device)  # a copy: the reset's array is read-only
@@ -145,6 +151,7 @@ def train_fast(cfg: DictConfig, out: Path, launch: float) -> dict[str, Any]:
         ret *= ~done
         sac.update()
         before, env_steps, rounds = env_steps, env_steps + n * world, rounds + 1
+        progress.update(env_steps)
         if env_steps >= next_eval:
             next_eval += every
             stats = sac.read_stats()
@@ -162,9 +169,10 @@ def train_fast(cfg: DictConfig, out: Path, launch: float) -> dict[str, Any]:
         for m in test_at:
             if before < m <= env_steps:
                 point("test", m)
-        if rounds % CHECK_EVERY == 0 and agree(stop_at is not None and time.time() >= stop_at):
+        if rounds % check_every == 0 and agree(stop_at is not None and time.time() >= stop_at):
             break
     train_s = time.time() - t0
+    progress.close()
     if validated_at != env_steps:
         point("validation")
     point("test")

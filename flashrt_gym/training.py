@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import re
 import time
 from collections.abc import Callable
@@ -29,10 +30,13 @@ import numpy as np
 import torch
 from hydra.utils import get_class, get_method
 from omegaconf import DictConfig, OmegaConf
+from scipy.stats import binomtest
 from stable_baselines3.common.base_class import BaseAlgorithm
 from stable_baselines3.common.callbacks import BaseCallback, CheckpointCallback
 from stable_baselines3.common.off_policy_algorithm import OffPolicyAlgorithm
 from stable_baselines3.common.vec_env import VecMonitor
+from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
 
 from flashrt.runtime import atomic_write
 from flashrt_gym.devices import resolve_device
@@ -42,19 +46,33 @@ from flashrt_gym.fast_sac import FastSAC, FastSACConfig
 from flashrt_gym.sb3 import SB3VecEnv
 from flashrt_gym.splits import eval_seed, train_seed
 
+logger = logging.getLogger(__name__)
+
 SB3_AGENT_KEYS = {"_target_", "policy", "utd", "kwargs"}
 FAST_AGENT_KEYS = {"_target_", "kwargs"}
 
 AUTO = {  # key: (fast learner on a GPU, SB3 learner on a GPU, any learner on the CPU); used where a key is `auto`
     "env.num_envs": (2048, 64, 16),
-    "total_steps": (10_000_000, 200_000, 3_000),
-    "time_limit_s": (540, None, None),
-    "eval.every": (500_000, 10_000, 1_000),
+    "total_steps": (10_000_000, 200_000, 100_000),
+    "time_limit_s": (540, None, 570),
+    "time_limit_includes_eval": (False, False, True),
+    "eval.every": (500_000, 10_000, 2_000),
     "eval.episodes": (512, 512, 32),
-    "eval.test_episodes": (1024, 1024, 32),
+    "eval.test_episodes": (1024, 1024, 256),
     "agent.kwargs.batch_size": (4096, 256, 256),
     "agent.kwargs.buffer_size": (1 << 20, 200_000, 1 << 14),
 }
+
+
+CPU_NOTE = (
+    "CPU-only: this run shows the whole pipeline (the base policy, FastSAC training with validation, "
+    "base and steered success on 256 test starts with 95 % intervals) within about 10 minutes on 2 cores, "
+    "not steering above the base policy. The VLA costs about 40 ms of CPU time an env step "
+    "(docs/training/cpu_budget.json), so the two test evaluations take most of the 10 minutes and leave "
+    "a few thousand env steps of training, while FastSAC passes the base policy only after about 1.5 M env "
+    "steps (README, Result, on a GPU)."
+)
+"""The first log line of a run on the CPU: what such a run shows, and why (measured)."""
 
 
 class ConfigError(ValueError):
@@ -104,6 +122,7 @@ def check(cfg: DictConfig) -> None:
         _require(isinstance(value, int) and value > 0, key, f"must be an int > 0 or auto, got {value!r}")
     limit = cfg.time_limit_s
     _require(limit is None or (isinstance(limit, (int, float)) and limit > 0), "time_limit_s", "must be > 0 or null")
+    _require(isinstance(cfg.time_limit_includes_eval, bool), "time_limit_includes_eval", "must be true, false or auto")
     _require(
         cfg.eval.test_episodes % cfg.eval.episodes == 0,
         "eval.test_episodes",
@@ -197,7 +216,18 @@ def evaluate(env: FlashRTVectorEnv, act: Callable[[np.ndarray], np.ndarray], spl
     if episodes % n:
         raise ValueError(f"episodes ({episodes}) must be a multiple of the evaluation env's slots ({n})")
     first = eval_seed(split, episodes)
-    batches = [run_episodes(env, act, start) for start in range(first, first + episodes, n)]
+    horizon = env.step_config.max_episode_steps
+    batches = []
+    # env steps (slot-chunks) at most: every slot of a batch steps until the batch's last episode ends
+    with tqdm(total=episodes * horizon, desc=f"{split}, {episodes} episodes", unit="env step", leave=False) as bar:
+
+        def counted(obs: np.ndarray) -> np.ndarray:
+            bar.update(n)
+            return act(obs)
+
+        for i, start in enumerate(range(first, first + episodes, n)):
+            batches.append(run_episodes(env, counted, start))
+            bar.update((i + 1) * n * horizon - bar.n)  # a batch whose episodes all ended early
     return EvalResult(
         sum(b.success for b in batches) / len(batches), sum(b.mean_return for b in batches) / len(batches), episodes
     )
@@ -212,6 +242,7 @@ def torch_policy(
 
 def evaluate_base(cfg: DictConfig, splits: dict[str, int], device: str | None = None) -> dict[str, EvalResult]:
     """The unsteered VLA (its own per-slot noise, no correction) on each split's episodes."""
+    logger.info("base policy: evaluating on %s", ", ".join(f"{n} {split} starts" for split, n in splits.items()))
     env = make_env(cfg, cfg.eval.episodes, autoreset=False, action_mode="residual", device=device)
     zeros = np.zeros((env.num_envs, *env.single_action_space.shape), np.float32)
     out = {split: evaluate(env, lambda _: zeros, split, episodes) for split, episodes in splits.items()}
@@ -219,14 +250,50 @@ def evaluate_base(cfg: DictConfig, splits: dict[str, int], device: str | None = 
     return out
 
 
+def success_interval(success: float, episodes: int) -> tuple[float, float]:
+    """The Wilson score 95 % interval of a success rate over ``episodes`` independent episodes."""
+    ci = binomtest(round(success * episodes), episodes).proportion_ci(0.95, method="wilson")
+    return float(ci.low), float(ci.high)
+
+
+class Progress:
+    """The training loop's tqdm bar over env steps: env steps/s, the ETA and the last validation
+    success. Under a time limit the bar's total is the env steps the measured rate reaches by the
+    deadline (at most the step budget), so the ETA is the real one."""
+
+    def __init__(self, total: int, initial: int, stop_at: float | None, disable: bool = False) -> None:
+        self.total, self.initial, self.stop_at = total, initial, stop_at
+        self.t0 = time.time()
+        self.bar = tqdm(
+            total=total, initial=initial, desc="train", unit="env step", unit_scale=True, disable=disable, smoothing=0.1
+        )
+
+    def update(self, env_steps: int) -> None:
+        """Move the bar to ``env_steps`` (all ranks together)."""
+        now = time.time()
+        if self.stop_at is not None and env_steps > self.initial and now > self.t0:
+            rate = (env_steps - self.initial) / (now - self.t0)
+            self.bar.total = min(self.total, int(env_steps + rate * max(self.stop_at - now, 0.0)))
+        self.bar.update(env_steps - self.bar.n)
+
+    def validated(self, success: float) -> None:
+        self.bar.set_postfix(validation=f"{success:.1%}")
+
+    def close(self) -> None:
+        self.bar.close()
+
+
 # -- the run folder -----------------------------------------------------------------------------
 class RunLog:
     """One run's record on disk: ``curve.json`` (validation points, and test points marked as
     such), tensorboard scalars under ``tb/``, and at the end ``curve.png`` and ``summary.json``.
-    A resumed run continues its curve."""
+    A resumed run continues its curve; ``progress``, when given, shows each validation figure.
+    ``launch``: the job's start (``time.time()``), from which every ``wall_s`` counts."""
 
-    def __init__(self, cfg: DictConfig, out: Path, launch: float, base: dict[str, EvalResult]) -> None:
-        self.cfg, self.out, self.launch, self.base = cfg, out, launch, base
+    def __init__(
+        self, cfg: DictConfig, out: Path, launch: float, base: dict[str, EvalResult], progress: Progress | None = None
+    ) -> None:
+        self.cfg, self.out, self.launch, self.base, self.progress = cfg, out, launch, base, progress
         self.curve: list[dict[str, Any]] = []
         if (out / "curve.json").is_file():
             self.curve = json.loads((out / "curve.json").read_text())
@@ -262,9 +329,12 @@ class RunLog:
         self.scalars(env_steps, {f"{tag}/success": res.success, f"{tag}/return": res.mean_return})
         text = json.dumps(self.curve, indent=1)
         atomic_write(self.out / "curve.json", lambda f: f.write(text.encode()))
-        print(
-            f"[{env_steps} env steps, {p['wall_s']:.0f} s] {split} success {res.success:.1%} (base {base.success:.1%})"
-        )
+        if self.progress is not None and split == "validation":
+            self.progress.validated(res.success)
+        logger.info(
+            "[%d env steps, %.0f s] %s success %.1f%% (base %.1f%%) on %d starts",
+            env_steps, p["wall_s"], split, 100 * res.success, 100 * base.success, res.episodes,
+        )  # fmt: skip
         return p
 
     def finish(self, summary: dict[str, Any]) -> dict[str, Any]:
@@ -273,10 +343,13 @@ class RunLog:
         plot_curve(self.curve, self.out / "curve.png", f"{summary['agent'].rsplit('.', 1)[-1]}, seed {summary['seed']}")
         if self.tb is not None:
             self.tb.close()
-        print(
-            f"base policy success {summary['base_success']:.1%} -> steered {summary['success']:.1%} on test starts "
-            f"after {summary['env_steps']} env steps ({summary['env_steps_per_s']:.0f} env steps/s)"
-        )
+        (lo, hi), (base_lo, base_hi) = summary["success_ci95"], summary["base_success_ci95"]
+        logger.info(
+            "base policy success %.1f%% [%.1f, %.1f] -> steered %.1f%% [%.1f, %.1f] on %d test starts "
+            "(Wilson 95%% intervals) after %d env steps (%.1f env steps/s), %.0f s",
+            100 * summary["base_success"], 100 * base_lo, 100 * base_hi, 100 * summary["success"], 100 * lo,
+            100 * hi, summary["test_episodes"], summary["env_steps"], summary["env_steps_per_s"], summary["wall_s"],
+        )  # fmt: skip
         return summary
 
 
@@ -292,7 +365,9 @@ def plot_curve(curve: list[dict[str, Any]], path: Path, title: str) -> None:
     ax.plot([p["env_steps"] for p in val], [p["success"] for p in val], marker="o", label="steered (validation)")
     ax.plot([p["env_steps"] for p in val], [p["base_success"] for p in val], linestyle="--", label="base policy")
     if test:
-        ax.plot([p["env_steps"] for p in test], [p["success"] for p in test], "k*", ms=10, label="steered (test)")
+        steps = [p["env_steps"] for p in test]
+        ax.plot(steps, [p["success"] for p in test], "k*", ms=10, label="steered (test)")
+        ax.plot(steps, [p["base_success"] for p in test], "kx", ms=8, label="base policy (test)")
     ax.set(xlabel="env steps (chunks)", ylabel="success rate", ylim=(0, 1), title=title)
     ax.legend()
     fig.tight_layout()
@@ -300,9 +375,14 @@ def plot_curve(curve: list[dict[str, Any]], path: Path, title: str) -> None:
     plt.close(fig)
 
 
-def deadline(cfg: DictConfig, launch: float) -> float | None:
-    """When training stops at the latest (``time.time()``), or None."""
-    return None if cfg.time_limit_s is None else launch + cfg.time_limit_s
+def deadline(cfg: DictConfig, launch: float, final_eval_s: float = 0.0) -> float | None:
+    """When training stops at the latest (``time.time()``), or None. With
+    ``time_limit_includes_eval`` it stops ``final_eval_s`` earlier (the seconds the base
+    policy's evaluation of the same episodes took), so that the final evaluation also ends
+    within ``time_limit_s``."""
+    if cfg.time_limit_s is None:
+        return None
+    return launch + cfg.time_limit_s - (final_eval_s if cfg.time_limit_includes_eval else 0.0)
 
 
 def summarize(
@@ -323,9 +403,12 @@ def summarize(
         "base_return": final["base_return"],
         "return": final["return"],
         "test_episodes": final["episodes"],
+        "success_ci95": success_interval(final["success"], final["episodes"]),
+        "base_success_ci95": success_interval(final["base_success"], final["episodes"]),
         "test_success_at": at,
         "validation_success": val[-1]["success"] if val else None,
         "wall_s": time.time() - log.launch,
+        "process_cpu_s": time.process_time(),  # every thread's CPU time: with wall_s, how loaded the machine was
         "train_seconds": train_s,
         "env_steps_per_s": steps_trained / train_s if train_s > 0 else 0.0,  # training, validation included
         "env_steps_per_s_from_launch": steps_trained / max(time.time() - log.launch, 1e-9),
@@ -336,21 +419,46 @@ def summarize(
 
 
 def train(cfg: DictConfig, out: str | Path = ".", launch: float | None = None) -> dict[str, Any]:
-    """Train ``cfg.agent`` on FlashRT-VLA; write ``config.yaml``, checkpoints, ``tb/``,
-    ``curve.json``, ``curve.png`` and ``summary.json`` under ``out``; print base vs steered
-    success on the test starts. ``launch``: the process's start (``time.time()``), from which
-    ``time_limit_s`` and every ``wall_s`` count. Returns the summary."""
+    """Train ``cfg.agent`` on FlashRT-VLA and record the run under ``out``.
+
+    Writes ``config.yaml``, checkpoints, ``tb/``, ``curve.json``, ``curve.png`` and
+    ``summary.json``; logs (module loggers: Hydra's ``train.log``) every evaluation and, at
+    the end, base against steered success on the test starts with their intervals; shows a
+    progress bar while training.
+
+    Args:
+        cfg: the composed ``configs/train.yaml`` (its ``auto`` values are resolved in place).
+        out: the run folder.
+        launch: the job's start (``time.time()``), from which ``time_limit_s`` and every
+            ``wall_s`` count; None: now. A process that runs several jobs (a sequential
+            multirun) passes each job's own start.
+
+    Returns:
+        The run's summary (also ``summary.json``).
+
+    Raises:
+        ConfigError: a config value that cannot work, naming its key.
+    """
     launch = time.time() if launch is None else launch
     check(cfg)  # also resolves the auto budgets
+    if device_of(cfg) == "cpu":
+        logger.warning(CPU_NOTE)
     torch.set_float32_matmul_precision("high")  # the agent's float32 GEMMs on tensor cores (TF32)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
-    if is_fast(cfg):
-        from flashrt_gym.fast_training import train_fast
+    text = OmegaConf.to_yaml(cfg, resolve=True)
+    atomic_write(out / "config.yaml", lambda f: f.write(text.encode()))
+    logger.info(
+        "%s on %s: %d slots, %d env steps at most, time limit %s; run folder %s",
+        cfg.agent._target_.rsplit(".", 1)[-1], device_of(cfg), cfg.env.num_envs, cfg.total_steps,
+        "none" if cfg.time_limit_s is None else f"{cfg.time_limit_s} s", out.resolve(),
+    )  # fmt: skip
+    with logging_redirect_tqdm():  # log lines above the progress bar, not through it
+        if is_fast(cfg):
+            from flashrt_gym.fast_training import train_fast
 
-        return train_fast(cfg, out, launch)
-    return train_sb3(cfg, out, launch)
+            return train_fast(cfg, out, launch)
+        return train_sb3(cfg, out, launch)
 
 
 # -- the SB3 path -------------------------------------------------------------------------------
@@ -377,17 +485,26 @@ def sb3_replay_path(checkpoint: str | Path) -> Path:
 class Evaluations(BaseCallback):
     """What SB3's ``EvalCallback`` cannot do here: the same validation starts at every point,
     one episode per slot of a batched env, the base policy's rate beside the steered one, and
-    test points at fixed env steps."""
+    test points at fixed env steps. Also moves the run's :class:`Progress` bar."""
 
-    def __init__(self, every: int, test_at: list[int], run: Callable[[int, str], None], deadline: float | None) -> None:
+    def __init__(
+        self,
+        every: int,
+        test_at: list[int],
+        run: Callable[[int, str], None],
+        deadline: float | None,
+        progress: Progress,
+    ) -> None:
         super().__init__()
         self.every, self.test_at, self.run, self.deadline = every, sorted(test_at), run, deadline
+        self.progress = progress
 
     def _on_training_start(self) -> None:  # a resumed run keeps the same evaluation grid
         self.next = (self.num_timesteps // self.every + 1) * self.every
         self.last = self.num_timesteps
 
     def _on_step(self) -> bool:
+        self.progress.update(self.num_timesteps)
         if self.num_timesteps >= self.next:
             self.next += self.every
             self.run(self.num_timesteps, "validation", None)
@@ -399,10 +516,12 @@ class Evaluations(BaseCallback):
 
 
 def train_sb3(cfg: DictConfig, out: Path, launch: float) -> dict[str, Any]:
-    """The SB3 path: ``SB3VecEnv``, SB3's own loop, progress bar and checkpoint callback."""
+    """The SB3 path: ``SB3VecEnv``, SB3's own loop and checkpoint callback, this module's progress bar."""
     venv = VecMonitor(SB3VecEnv(make_env(cfg, cfg.env.num_envs)))
     eval_env = make_env(cfg, cfg.eval.episodes, autoreset=False)
+    t = time.time()
     base = evaluate_base(cfg, {"validation": cfg.eval.episodes, "test": cfg.eval.test_episodes})
+    stop_at = deadline(cfg, launch, time.time() - t)  # the final evaluation runs the same episodes
     tb = str(out / "tb") if cfg.logger.tensorboard else None
     if cfg.resume:
         model = get_class(cfg.agent._target_).load(cfg.resume, env=venv, device=device_of(cfg))
@@ -412,7 +531,8 @@ def train_sb3(cfg: DictConfig, out: Path, launch: float) -> dict[str, Any]:
     else:
         model = build_agent(cfg, venv, tb)
     venv.seed(train_seed(cfg.seed, cfg.env.num_envs))  # this run's own episode starts (SB3 seeded it with cfg.seed)
-    log = RunLog(cfg, out, launch, base)
+    progress = Progress(cfg.total_steps, model.num_timesteps, stop_at)
+    log = RunLog(cfg, out, launch, base, progress)
 
     def run(env_steps: int, split: str, milestone: int | None = None) -> None:
         act = lambda obs: model.predict(obs, deterministic=True)[0]  # noqa: E731
@@ -423,14 +543,14 @@ def train_sb3(cfg: DictConfig, out: Path, launch: float) -> dict[str, Any]:
     save_every = max(cfg.eval.every // cfg.env.num_envs, 1)
     callbacks = [
         CheckpointCallback(save_every, str(ckpt), name_prefix="sb3", save_replay_buffer=cfg.save_replay_buffer),
-        Evaluations(cfg.eval.every, list(cfg.eval.test_at), run, deadline(cfg, launch)),
+        Evaluations(cfg.eval.every, list(cfg.eval.test_at), run, stop_at, progress),
     ]
     start, remaining = model.num_timesteps, cfg.total_steps - model.num_timesteps
     t0 = time.time()
     if remaining > 0:
-        kw = {"reset_num_timesteps": not cfg.resume, "tb_log_name": "run", "progress_bar": True}
-        model.learn(remaining, callback=callbacks, **kw)
+        model.learn(remaining, callback=callbacks, reset_num_timesteps=not cfg.resume, tb_log_name="run")
     train_s = time.time() - t0
+    progress.close()
     model.save(ckpt / "last.zip")
     if cfg.save_replay_buffer and hasattr(model, "save_replay_buffer"):
         model.save_replay_buffer(sb3_replay_path(ckpt / "last.zip"))

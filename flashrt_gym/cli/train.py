@@ -30,10 +30,11 @@ def main(launch: float | None = None) -> None:
         launch: the ``time.time()`` of the process's launch, from which ``time_limit_s`` and the
             reported wall times count (default: when this module was imported).
     """
-    start = IMPORTED if launch is None else launch
+    launches = [IMPORTED if launch is None else launch]
 
     @hydra.main(version_base="1.3", config_path=CONFIGS, config_name="train")
     def job(cfg: DictConfig) -> float:
+        start = launches.pop() if launches else time.time()  # a sequential multirun's later jobs: their own start
         summary = train(cfg, HydraConfig.get().runtime.output_dir, launch=start)
         return summary.get("validation_success") or 0.0  # sweepers (Optuna) choose on validation, never on test
 

@@ -10,8 +10,22 @@ import matplotlib.pyplot as plt
 import pytest
 from hydra import compose, initialize_config_dir
 
+import flashrt_gym.training as training
+from flashrt_gym.cli import train as cli_train
 from flashrt_gym.splits import SPLITS, TRAIN_STRIDE
-from flashrt_gym.training import ConfigError, build_agent, check, is_fast, make_env, sb3_replay_path, train
+from flashrt_gym.training import (
+    ConfigError,
+    EvalResult,
+    Progress,
+    RunLog,
+    build_agent,
+    check,
+    is_fast,
+    make_env,
+    sb3_replay_path,
+    success_interval,
+    train,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = str(ROOT / "configs")
@@ -62,7 +76,8 @@ def test_presets_compose_and_the_default_is_the_fast_learner():
     with initialize_config_dir(config_dir=CONFIGS, version_base="1.3"):
         cfg = compose(config_name="train", overrides=["runtime.device=cpu"])
     check(cfg)  # auto budgets: the CPU column
-    assert (cfg.env.num_envs, cfg.total_steps, cfg.agent.kwargs.batch_size, cfg.time_limit_s) == (16, 3000, 256, None)
+    assert (cfg.env.num_envs, cfg.agent.kwargs.batch_size, cfg.eval.test_episodes) == (16, 256, 256)
+    assert (cfg.time_limit_s, cfg.time_limit_includes_eval) == (570, True)  # the final evaluation inside 10 minutes
     with initialize_config_dir(config_dir=CONFIGS, version_base="1.3"):
         cfg = compose(config_name="collect_demos")
         assert cfg.task.objects[0] == "red square"
@@ -97,6 +112,10 @@ def test_sb3_end_to_end_then_resume_then_eval(tmp_path):
     first = tmp_path / "first"
     out = run("train.py", "experiment=smoke", "agent=sac", "save_replay_buffer=true", f"hydra.run.dir={first}")
     assert "base policy success" in out.stdout
+    logged = (first / "train.log").read_text()  # Hydra's log file holds the run, not only the console
+    assert "GraphSAC on cpu: 2 slots" in logged and "[16 env steps" in logged and "validation success" in logged
+    assert "base policy success" in logged and "(Wilson 95% intervals)" in logged
+    assert logged.splitlines()[0].endswith(training.CPU_NOTE)  # the first line says what a CPU run shows
     summary = json.loads((first / "summary.json").read_text())
     assert summary["env_steps"] >= 16 and 0 <= summary["success"] <= 1
     for name in (
@@ -135,6 +154,9 @@ def test_fast_learner_multirun_then_resume_without_pickle_then_eval_and_aggregat
     assert [s["ranks"][0]["reset_seed"] for s in summaries] == [0, TRAIN_STRIDE]  # own starts each
     assert all(not s <= v < s + TRAIN_STRIDE for s in (0, TRAIN_STRIDE) for v in SPLITS.values())
     first, summary = runs[0], summaries[0]
+    for r in runs:  # each job of the multirun logs into its own folder
+        logged = (r / "train.log").read_text()
+        assert logged.count("FastSAC on cpu: 2 slots") == 1 and "on 4 test starts" in logged
     assert summary["env_steps"] == 16 and 0 <= summary["success"] <= 1 and summary["updates"] > 0
     assert set(summary["test_success_at"]) == {"8", "16"} and summary["test_episodes"] == 4
     assert summary["ranks"] == [{"rank": 0, "reset_seed": 0, "slots": 2, "batch_size": 8, "stored": 16}]
@@ -204,3 +226,75 @@ def test_a_task_with_a_simulator_of_its_own_builds_that_env():
         cfg = compose("train", ["task=mujoco_push", "runtime=cpu", "env.num_envs=2"])
     env = make_env(cfg, 2, autoreset=False)
     assert env.engine.mirror is not None and env.reset(seed=0)[0].shape == (2, 15)
+
+
+def test_each_job_of_a_sequential_multirun_counts_its_wall_times_from_its_own_start(tmp_path, monkeypatch):
+    """The first job counts from the process's launch (imports included); a later job of the same
+    process from its own start, not from the launch (which would add the earlier jobs' time)."""
+    starts = []
+    monkeypatch.setattr(cli_train, "train", lambda cfg, out, launch: starts.append(launch) or {})
+    clock = iter([1000.0, 2000.0])
+    monkeypatch.setattr(cli_train, "time", type("Clock", (), {"time": staticmethod(lambda: next(clock))}))
+    monkeypatch.setattr(
+        sys, "argv", ["flashrt-train", "-m", "experiment=smoke", "seed=0,1,2", f"hydra.sweep.dir={tmp_path}"]
+    )
+    cli_train.main(launch=100.0)
+    assert starts == [100.0, 1000.0, 2000.0]
+
+
+def test_wall_times_count_from_the_given_launch_and_the_summary_has_intervals(tmp_path, monkeypatch):
+    cfg = config("logger=none")
+    check(cfg)
+    base = {"validation": EvalResult(0.25, 1.0, 2), "test": EvalResult(0.5, 2.0, 4)}
+    log = RunLog(cfg, tmp_path, 100.0, base)
+    monkeypatch.setattr(training.time, "time", lambda: 130.0)
+    assert log.point(8, "validation", EvalResult(0.5, 1.5, 2))["wall_s"] == 30.0
+    log.point(16, "test", EvalResult(0.75, 2.5, 4))
+    summary = training.summarize(cfg, log, 16, 10.0, 16)
+    assert summary["wall_s"] == 30.0 and summary["test_episodes"] == 4
+    assert summary["success_ci95"] == success_interval(0.75, 4) and summary["base_success_ci95"] == success_interval(
+        0.5, 4
+    )
+    log.finish(summary)
+    assert json.loads((tmp_path / "summary.json").read_text())["success"] == 0.75
+    assert (tmp_path / "curve.png").is_file()
+
+
+def test_success_interval_is_wilsons():
+    # Wilson's 95 % interval of 14 successes in 32 (Brown, Cai & DasGupta 2001, eq. 4) by hand
+    z, n, k = 1.959963984540054, 32, 14
+    p = k / n
+    mid, half = (
+        (p + z * z / (2 * n)) / (1 + z * z / n),
+        z / (1 + z * z / n) * (p * (1 - p) / n + z * z / (4 * n * n)) ** 0.5,
+    )
+    assert success_interval(p, n) == pytest.approx((mid - half, mid + half), abs=1e-9)
+    assert success_interval(p, n) != pytest.approx(
+        (p - z * (p * (1 - p) / n) ** 0.5, p + z * (p * (1 - p) / n) ** 0.5)
+    )  # not Wald's
+
+
+def test_progress_bar_under_a_time_limit_aims_at_the_steps_the_rate_reaches(monkeypatch):
+    now = [1000.0]
+    monkeypatch.setattr(training.time, "time", lambda: now[0])
+    bar = Progress(total=100_000, initial=0, stop_at=1100.0)
+    now[0] = 1010.0
+    bar.update(500)  # 50 env steps/s, 90 s left: 4 500 more
+    assert (bar.bar.n, bar.bar.total) == (500, 5000)
+    unlimited = Progress(total=100_000, initial=0, stop_at=None)
+    unlimited.update(500)
+    assert unlimited.bar.total == 100_000
+    bar.validated(0.5)
+    assert bar.bar.postfix == "validation=50.0%"
+
+
+def test_a_time_limit_that_includes_the_evaluation_stops_training_early_enough_for_it():
+    cfg = config("time_limit_s=600", "time_limit_includes_eval=true")
+    check(cfg)
+    assert training.deadline(cfg, 100.0, final_eval_s=250.0) == 450.0
+    cfg.time_limit_includes_eval = False
+    assert training.deadline(cfg, 100.0, final_eval_s=250.0) == 700.0
+    cfg.time_limit_s = None
+    assert training.deadline(cfg, 100.0, final_eval_s=250.0) is None
+    with pytest.raises(ConfigError, match="config key 'time_limit_includes_eval'"):
+        check(config("time_limit_includes_eval=7"))
