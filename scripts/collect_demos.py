@@ -5,6 +5,7 @@ python scripts/collect_demos.py num_episodes=4000 noise_std=0.3 out=demos
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import hydra
@@ -15,6 +16,8 @@ from tqdm import tqdm
 from flashrt_gym.demos import collect, save_shard
 from flashrt_gym.devices import resolve_device
 from flashrt_gym.tasks import TabletopConfig
+
+logger = logging.getLogger(__name__)
 
 
 def run(cfg: DictConfig) -> list[Path]:
@@ -49,7 +52,7 @@ def run(cfg: DictConfig) -> list[Path]:
             flush()
     flush()
     bar.close()
-    print(f"collect_demos: {kept} episodes in {len(written)} shards under {out}")
+    logger.info("collect_demos: %d episodes in %d shards under %s", kept, len(written), out)
     return written
 
 

@@ -20,6 +20,7 @@ import argparse
 import contextlib
 import dataclasses
 import functools
+import logging
 import multiprocessing
 import os
 from concurrent.futures import ProcessPoolExecutor
@@ -28,6 +29,8 @@ from pathlib import Path
 
 import pretrain_policy
 from hydra import compose, initialize_config_dir
+from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
 
 from flashrt_gym.sims.demos import collect_batch, first_episodes, push_config, save_shard
 from flashrt_gym.sims.demos import evaluate as evaluate_push
@@ -44,6 +47,7 @@ def collect_into(folder: Path, cfg: PushConfig, args: argparse.Namespace) -> int
     )
     kept, batches = 0, count()
     with contextlib.ExitStack() as stack:
+        bar = stack.enter_context(tqdm(total=args.episodes, desc="collect", unit="episode"))
         run = map
         if args.workers > 1:
             context = multiprocessing.get_context("spawn")
@@ -54,9 +58,10 @@ def collect_into(folder: Path, cfg: PushConfig, args: argparse.Namespace) -> int
                 if kept >= args.episodes:
                     break
                 shard = first_episodes(shard, args.episodes - kept)
-                kept += int(shard["episode"].unique().numel())
+                n = int(shard["episode"].unique().numel())
+                kept += n
+                bar.update(n)
                 save_shard(shard, folder / f"shard-{b:04d}.safetensors", cfg)
-            print(f"collect: {kept} episodes", flush=True)
     return kept
 
 
@@ -102,4 +107,6 @@ def main(argv: list[str] | None = None) -> dict | None:
 
 
 if __name__ == "__main__":
-    main()
+    logging.basicConfig(level=logging.INFO, format="[%(asctime)s][%(name)s][%(levelname)s] - %(message)s")
+    with logging_redirect_tqdm():  # pretrain_policy's log lines above its progress bar
+        main()

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import time
 from pathlib import Path
@@ -27,6 +28,7 @@ from omegaconf import DictConfig
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.tensorboard import SummaryWriter
 from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
 
 from flashrt.policies import PRESETS, FlowPolicy, load, save, tokenizer_for
 from flashrt.runtime import atomic_write
@@ -35,6 +37,8 @@ from flashrt_gym.devices import resolve_device
 from flashrt_gym.env import FlashRTVectorEnv
 from flashrt_gym.evaluation import VALIDATION_SEED, base_policy
 from flashrt_gym.tasks import Tabletop, TabletopConfig
+
+logger = logging.getLogger(__name__)
 
 
 def evaluate(folder: Path, task_cfg: TabletopConfig, cfg: DictConfig, device: str) -> dict[str, float]:
@@ -137,10 +141,15 @@ def run(cfg: DictConfig) -> dict:
     g = torch.Generator(device=device).manual_seed(cfg.seed)
     evals, t0, seen, skipped, in_a_row = [], time.perf_counter(), 0, 0, 0
     params = sum(p.numel() for p in model.parameters())
-    print(
-        f"pretrain: {params / 1e6:.1f} M parameters, {len(windows)} windows from {len(data['tick'])} ticks on {device}"
+    logger.info(
+        "pretrain: %.1f M parameters, %d windows from %d ticks on %s",
+        params / 1e6,
+        len(windows),
+        len(data["tick"]),
+        device,
     )
     bar = tqdm(range(1, cfg.steps + 1), desc="pretrain", unit="step")
+    shown: dict[str, str] = {}  # the bar's postfix: the last loss and validation success rates
     cuda = device == "cuda"
     for step in bar:
         model.train()
@@ -159,7 +168,7 @@ def run(cfg: DictConfig) -> dict:
             writer.add_scalar("pretrain/skipped_steps", skipped, step)
             bad = nonfinite_grads(model)
             where = f"non-finite gradients in {len(bad)} tensors, first {bad[:3]}"
-            tqdm.write(f"step {step}: update skipped ({skipped} so far), {where}")
+            logger.warning("step %d: update skipped (%d so far), %s", step, skipped, where)
             if in_a_row >= cfg.max_skipped_in_a_row:
                 math_finite = finite_with_math_attention(model, windows.batch(idx, text_ids, text_mask), g, g_state)
                 stuck(model, out / f"nonfinite-step-{step}", idx, g_state, in_a_row, math_finite)
@@ -170,7 +179,8 @@ def run(cfg: DictConfig) -> dict:
             writer.add_scalar("pretrain/grad_norm", grad_norm.item(), step)
             writer.add_scalar("pretrain/lr", sched.get_last_lr()[0], step)
             writer.add_scalar("pretrain/samples_per_s", seen / (time.perf_counter() - t0), step)
-            bar.set_postfix(loss=f"{loss.item():.4f}")
+            shown["loss"] = f"{loss.item():.4f}"
+            bar.set_postfix(shown)
         if step % cfg.eval_every == 0 or step == cfg.steps:
             folder = save(model, out / f"step-{step}", dtype=torch.bfloat16)
             rates = evaluate(folder, task_cfg, cfg, device)
@@ -179,7 +189,9 @@ def run(cfg: DictConfig) -> dict:
                 writer.add_scalar(f"eval/success_{k}", v, step)
             writer.flush()
             rate_text = ", ".join(f"success {k} {v:.3f}" for k, v in rates.items())
-            tqdm.write(f"step {step}: loss {loss.item():.4f}, {rate_text}, {skipped} updates skipped")
+            logger.info("step %d: loss %.4f, %s, %d updates skipped", step, loss.item(), rate_text, skipped)
+            shown |= {f"val_{k}": f"{v:.1%}" for k, v in rates.items()}
+            bar.set_postfix(shown)
             summary = {
                 "parameters": params,
                 "seconds": time.perf_counter() - t0,
@@ -195,7 +207,8 @@ def run(cfg: DictConfig) -> dict:
 
 @hydra.main(version_base="1.3", config_path="../configs", config_name="pretrain")
 def main(cfg: DictConfig) -> None:
-    run(cfg)
+    with logging_redirect_tqdm():  # log lines above the progress bar; Hydra's pretrain_policy.log keeps them
+        run(cfg)
 
 
 if __name__ == "__main__":
