@@ -1,0 +1,184 @@
+"""Meta-World MT10 on the CPU: the simulator alone and the env around it, sustained.
+
+Rows, at each ``--sizes`` (default 1 and 64 slots; slot i runs MT10 task i % 10) and each
+``--threads`` (CPU threads that step the slots' physics; default 1 and 2):
+
+- ``sim``: :class:`~flashrt_gym.sims.MetaWorld` alone, chunks of 4 Meta-World steps under
+  uniform random actions, a slot reset (Meta-World's ``reset``) when it succeeds or after 40
+  chunks; each chunk also takes every slot's state row (``get_state``), as the env's hand-off
+  does. Sustained chunks/s over the run's wall time, p50 / p99 / max ms a chunk.
+- ``render``: the camera's frames/s (``render()`` of every slot, one thread), at 64 px.
+- ``env``: ``FlashRTVectorEnv`` through the public ``step()`` with noise actions uniform in the
+  box (``max_episode_steps`` 40, so slots autoreset at their natural times), eager on the CPU.
+  The policy is a random ``tiny`` of Meta-World's shapes (4-D actions and proprioception, the
+  instructions' words): the shipped ``tiny`` policy's compute, since no Meta-World policy of
+  this project exists yet.
+
+Each row runs ``--steps`` steps after ``--warmup``, or until ``--budget-s`` seconds have passed.
+The machine's load average before and after each row is written beside it: on a shared machine
+the figures are lower bounds.
+
+    python scripts/bench_metaworld.py --out docs/bench/bench_metaworld_<commit>.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import platform
+import statistics
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import torch
+from benchlib import commit
+
+from flashrt.policies import FlowPolicy, save
+from flashrt.policies.config import tiny
+from flashrt.runtime import atomic_write
+from flashrt_gym import FlashRTVectorEnv
+from flashrt_gym.sims import MetaWorld
+from flashrt_gym.sims.metaworld_tasks import INSTRUCTIONS
+
+
+def timed(step, steps: int, warmup: int, budget_s: float, slots: int) -> dict:
+    """``step()`` ``warmup`` times, then until ``steps`` or ``budget_s``: sustained rates."""
+    for _ in range(warmup):
+        step()
+    times = []
+    start = time.perf_counter()
+    while len(times) < steps and time.perf_counter() - start < budget_s:
+        t = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t)
+    wall = time.perf_counter() - start
+    times.sort()
+    return {
+        "steps": len(times),
+        "sustained_chunks_per_s": slots * len(times) / wall,
+        "mean_ms": wall * 1e3 / len(times),
+        "p50_ms": statistics.median(times) * 1e3,
+        "p99_ms": times[min(len(times) - 1, round(0.99 * (len(times) - 1)))] * 1e3,
+        "max_ms": times[-1] * 1e3,
+    }
+
+
+def bench_sim(n: int, threads: int, args: argparse.Namespace) -> dict:
+    t = time.perf_counter()
+    sim = MetaWorld(n, "MT10", threads=threads)
+    built = time.perf_counter() - t
+    sim.seed(np.arange(n))
+    sim.reset()
+    rng = np.random.default_rng(0)
+    chunks = np.zeros(n, dtype=np.int64)
+    resets = [0]
+
+    def step() -> None:
+        sim.run_ticks(rng.uniform(-1, 1, (n, 4, 4)))
+        sim.get_state()
+        chunks[:] += 1
+        done = sim.success() | (chunks >= 40)
+        if done.any():
+            sim.reset(done)
+            chunks[done] = 0
+            resets[0] += int(done.sum())
+
+    row = {"build_s": built} | timed(step, args.steps, args.warmup, args.budget_s, n)
+    return row | {"slots_reset": resets[0]}
+
+
+def bench_render(n: int, args: argparse.Namespace) -> dict:
+    sim = MetaWorld(n, "MT10")
+    sim.seed(np.arange(n))
+    sim.reset()
+    t = time.perf_counter()
+    sim.render()  # makes the renderers (an OpenGL context and the textures per task)
+    first = time.perf_counter() - t
+    row = timed(sim.render, args.steps, 1, args.budget_s, n)
+    return {"first_render_s": first, "frames_per_s": row["sustained_chunks_per_s"], "ms_per_call": row["mean_ms"]}
+
+
+def bench_env(n: int, threads: int, weights: str, args: argparse.Namespace) -> dict:
+    t = time.perf_counter()
+    simulator = functools.partial(MetaWorld, tasks="MT10", threads=threads)
+    env = FlashRTVectorEnv(n, simulator=simulator, weights=weights, device="cpu", max_episode_steps=40)
+    env.reset(seed=0)
+    built = time.perf_counter() - t
+    rng = np.random.default_rng(0)
+    finished = [0]
+    shape = env.action_space.shape
+
+    def step() -> None:
+        *_, terminated, truncated, _ = env.step(rng.uniform(-1, 1, shape).astype(np.float32))
+        finished[0] += int((terminated | truncated).sum())
+
+    row = {"build_and_reset_s": built} | timed(step, args.steps, args.warmup, args.budget_s, n)
+    env.close()
+    return row | {"episodes_finished": finished[0]}
+
+
+def metaworld_tiny(folder: str) -> str:
+    """A random ``tiny`` policy of Meta-World's shapes, saved into ``folder``."""
+    vocab = sorted({w for text in INSTRUCTIONS.values() for w in text.split()})
+    torch.manual_seed(0)
+    return str(save(FlowPolicy(replace(tiny(vocab), action_dim=4, proprio_dim=4)), folder))
+
+
+def cpu_model() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []:
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sizes", type=int, nargs="+", default=[1, 64])
+    ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--budget-s", type=float, default=60.0)
+    ap.add_argument("--rows", nargs="+", default=["sim", "render", "env"], choices=["sim", "render", "env"])
+    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")) / "bench_metaworld.json")
+    args = ap.parse_args()
+    result: dict = {
+        "machine": {
+            "cpu": cpu_model(),
+            "cores": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(),
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+            "commit": commit(),
+            "mujoco_gl": os.environ.get("MUJOCO_GL"),
+        },
+        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "rows": [],
+    }
+
+    def record(kind: str, n: int, threads: int | None, fn, *a) -> None:
+        load = os.getloadavg()
+        row = {"row": kind, "slots": n, "threads": threads, "load_before": load} | fn(*a)
+        row["load_after"] = os.getloadavg()
+        result["rows"].append(row)
+        print(json.dumps(row), flush=True)
+        atomic_write(args.out, lambda f: f.write((json.dumps(result, indent=1) + "\n").encode()))
+
+    with tempfile.TemporaryDirectory() as folder:
+        weights = metaworld_tiny(folder) if "env" in args.rows else ""
+        for n in args.sizes:
+            if "render" in args.rows:
+                record("render", n, 1, bench_render, n, args)
+            for threads in args.threads:
+                if "sim" in args.rows:
+                    record("sim", n, threads, bench_sim, n, threads, args)
+                if "env" in args.rows:
+                    record("env", n, threads, bench_env, n, threads, weights, args)
+
+
+if __name__ == "__main__":
+    main()
