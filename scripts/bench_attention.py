@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 from benchlib import commit, cuda_time, provenance
+from tqdm import tqdm
 
 from flashrt.kernels import attention
 from flashrt.kernels.backend import triton
@@ -117,7 +118,7 @@ def main() -> None:
     rows = []
     for preset, batches in (("tiny", args.tiny_batches), ("pi0", args.pi0_batches)):
         cfg = PRESETS[preset](vocab)
-        for n in batches:
+        for n in tqdm(batches, desc=f"{preset} batches", unit="batch size"):
             for caller in ("expert", "frame"):
                 if caller == "frame" and n > 1024:  # the frame's 65 queries a slot: 1024 is plenty
                     continue

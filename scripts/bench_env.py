@@ -33,6 +33,7 @@ import gymnasium as gym
 import numpy as np
 import torch
 from benchlib import count_kernels, graph_kernels, provenance, wall_ms
+from tqdm import tqdm
 
 from flashrt import kernels, runtime
 from flashrt_gym import FlashRTEnv, FlashRTVectorEnv
@@ -201,7 +202,8 @@ def main() -> None:
         raise SystemExit("bench_env.py measures the GPU env: run it on a machine with a CUDA GPU")
     result: dict = {**provenance(), "args": vars(args) | {"out": str(args.out)}}
     result["steps"] = [
-        bench_size(n, args.steps, args.warmup, n in args.reference_sizes, n in args.eager_sizes) for n in args.sizes
+        bench_size(n, args.steps, args.warmup, n in args.reference_sizes, n in args.eager_sizes)
+        for n in tqdm(args.sizes, desc="env sizes", unit="size")
     ]
     result["targets"] = targets(result["steps"])
     args.out.write_text(json.dumps(result, indent=2))

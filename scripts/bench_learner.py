@@ -22,6 +22,7 @@ import torch
 from benchlib import provenance
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
+from tqdm import tqdm
 
 from flashrt_gym.fast_sac import FastSAC, FastSACConfig
 
@@ -146,7 +147,7 @@ def main() -> None:
     torch.set_float32_matmul_precision("high")
     data = replay_data(args.replay, device)
     rows = []
-    for batch in args.batch:
+    for batch in tqdm(args.batch, desc="batch sizes", unit="size"):
         row: dict[str, float | str] = {"batch": batch}
         row["fast_sac_steps_per_s"], row["fast_sac_ops"] = fast_sac(args.hidden, batch, data, device, args.steps)
         try:

@@ -46,6 +46,7 @@ from typing import Any
 
 import torch
 from benchlib import graph_kernels, provenance, wall_ms
+from tqdm import tqdm
 
 from flashrt.runtime import BufferSet, atomic_write
 from flashrt_gym import FlashRTVectorEnv
@@ -285,7 +286,7 @@ def main() -> None:
         atomic_write(args.out, lambda f: f.write((json.dumps(result, indent=1) + "\n").encode()))
 
     errors: list[str] = []
-    for n in args.sizes:
+    for n in tqdm(args.sizes, desc="world counts", unit="size"):
         row: dict = {"num_envs": n}
         if "mujoco_warp" in args.simulators and n <= args.eager_max:
             row["mujoco_warp_graph_vs_eager"] = attempt(f"{n} graph vs eager", errors, graph_vs_eager, n)

@@ -44,6 +44,7 @@ from pathlib import Path
 import torch
 from benchlib import count_kernels, gpu_rates, graph_kernels, provenance, top_kernels, wall_ms
 from torch.utils.flop_counter import FlopCounterMode
+from tqdm import tqdm
 
 from flashrt import kernels
 from flashrt.policies import PRESETS, FlowPolicy, InstructionTable, PaliGemmaTokenizer, PolicyPipeline, policy_specs
@@ -219,7 +220,7 @@ def main() -> None:
         out = {**result, "rows": rows + ([partial] if partial is not None else [])}
         atomic_write(args.out, lambda f: f.write(json.dumps(out, indent=2).encode()))
 
-    for preset, n in runs:
+    for preset, n in tqdm(runs, desc="policy batches", unit="run"):
         reps = args.reps if preset == "tiny" else max(5, args.reps // 5)  # pi0-sized steps take ms
         rows.append(bench(preset, n, reps, f"{preset}:{n}" in args.compile, rates, save))
         torch.cuda.empty_cache()

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 from benchlib import cuda_time, provenance
+from tqdm import tqdm
 
 from flashrt.runtime import BufferSet, Capsule, Graph, fork, masked_restore, restore, slot, snapshot
 
@@ -171,7 +172,7 @@ def main() -> None:
         raise SystemExit("bench_runtime.py measures GPU copies: run it on a machine with a CUDA GPU")
     torch.backends.cuda.matmul.allow_tf32 = False
     sizes = []
-    for size in SIZES:
+    for size in tqdm(SIZES, desc="state sizes", unit="size"):
         sizes.append(bench_size(size, args.reps))
         torch.cuda.empty_cache()
     graph = [bench_masked_restore(row, max(args.reps, 200)) for row in (16 << 10, 256 << 10, 1536 << 10)]

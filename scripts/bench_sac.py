@@ -19,6 +19,7 @@ import torch
 from benchlib import provenance
 from stable_baselines3 import SAC
 from stable_baselines3.common.logger import configure
+from tqdm import tqdm
 
 from flashrt_gym.graph_sac import GraphSAC
 from flashrt_gym.sb3 import SB3VecEnv
@@ -49,7 +50,7 @@ def main() -> None:
     args = ap.parse_args()
     env = SB3VecEnv(num_envs=16)
     rows = []
-    for width in args.widths:
+    for width in tqdm(args.widths, desc="widths", unit="width"):
         row: dict[str, float] = {"width": width}
         for name, cls in (("sb3", SAC), ("graph", GraphSAC)):
             kw = {"policy_kwargs": {"net_arch": [width] * 3}, "learning_starts": 0, "seed": 0, "buffer_size": 100_000}
