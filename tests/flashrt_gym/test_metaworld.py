@@ -253,3 +253,17 @@ def test_registered_ids_pass_gymnasiums_env_checker_and_step_as_vector_envs(micr
         obs, reward, _, truncated, _ = envs.step(envs.action_space.sample())
         assert obs.shape[0] == N and np.isfinite(reward).all() and truncated.all() == (k == 2)
     envs.close()
+
+
+def test_threads_step_the_same_bytes_as_one():
+    """Slots stepped and reset on two threads give the bytes one thread gives."""
+    runs = []
+    for threads in (1, 2):
+        sim = MetaWorld(4, ["push-v3", "drawer-open-v3"], threads=threads)
+        sim.seed(np.arange(4) + 9)
+        sim.reset()
+        rng = np.random.default_rng(2)
+        out = [sim.run_ticks(rng.uniform(-1, 1, (4, 4, 4))) for _ in range(3)]
+        sim.reset()
+        runs.append([*(x.tobytes() for pair in out for x in pair), sim.get_state().tobytes()])
+    assert runs[0] == runs[1]
