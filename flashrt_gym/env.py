@@ -72,7 +72,8 @@ class FlashRTVectorEnv(VectorEnv):
       ``info["final_obs"]`` (masked by ``info["_final_obs"]``) holds the last one of the old.
     - ``NEXT_STEP``: the step that ends an episode returns its last observation; the slot's next
       step ignores its action and returns the new episode's first observation, reward 0, not
-      terminated, not truncated (the slot's state is held at that start while the others step).
+      terminated, not truncated (the slot's state is held at that start while the others step;
+      ``waiting`` marks those slots, and a verb that writes a slot's state clears its mark).
       Gymnasium's ``NormalizeObservation`` accepts only this mode.
     - ``DISABLED`` (``autoreset=False``): finished slots are not reset; reset them with
       ``reset(options={"reset_mask": ...})``.

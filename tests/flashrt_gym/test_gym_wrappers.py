@@ -4,10 +4,12 @@ semantics checked against Gymnasium's own SyncVectorEnv of the one-slot env."""
 import gymnasium as gym
 import numpy as np
 import pytest
+import torch
 from gymnasium.vector import AutoresetMode, SyncVectorEnv
 from gymnasium.wrappers import vector as vw
 
 from flashrt_gym import FlashRTEnv, FlashRTVectorEnv
+from tests.flashrt_gym.host_tabletop import HostTabletop
 
 N, STEPS = 3, 2  # slots; chunks an episode lasts (truncation) unless it succeeds first
 
@@ -51,16 +53,26 @@ def same(a: list[tuple], b: list[tuple]) -> bool:
     return all(np.allclose(x, y, atol=1e-5) for s, t in zip(a, b, strict=True) for x, y in zip(s, t, strict=True))
 
 
-def test_next_step_autoreset_is_gymnasiums():
+@pytest.mark.parametrize("sim", [{}, {"simulator": HostTabletop}], ids=["in-graph", "external"])
+def test_next_step_autoreset_is_gymnasiums(sim):
     """Gymnasium's definition, run by Gymnasium: a SyncVectorEnv of one-slot envs (slot i seeded
     ``seed + i``, as here) in NEXT_STEP mode. The step after an episode ends returns the next
-    episode's first observation, reward 0 and no end, ignoring its action; ours must equal it."""
-    sync = SyncVectorEnv([lambda: FlashRTEnv(**OPTIONS)] * N, autoreset_mode=AutoresetMode.NEXT_STEP)
+    episode's first observation, reward 0 and no end, ignoring its action; ours must equal it,
+    for an in-graph and an external simulator."""
+    sync = SyncVectorEnv([lambda: FlashRTEnv(**OPTIONS, **sim)] * N, autoreset_mode=AutoresetMode.NEXT_STEP)
     reference = rollout(sync, 3 * STEPS + 2)
     assert any(t[2].any() or t[3].any() for t in reference)  # episodes ended, so autoresets happened
-    assert same(rollout(make(AutoresetMode.NEXT_STEP), 3 * STEPS + 2), reference)
+    assert same(rollout(make(AutoresetMode.NEXT_STEP, **sim), 3 * STEPS + 2), reference)
     # mutation check: the same comparison against same-step autoreset must fail
-    assert not same(rollout(make(AutoresetMode.SAME_STEP), 3 * STEPS + 2), reference)
+    assert not same(rollout(make(AutoresetMode.SAME_STEP, **sim), 3 * STEPS + 2), reference)
+
+
+def test_step_torch_is_same_step_and_refused_in_next_step_mode():
+    with pytest.raises(RuntimeError, match="NEXT_STEP: use step"):
+        make(AutoresetMode.NEXT_STEP).step_torch(torch.zeros(N, 16))
+    env = make(AutoresetMode.DISABLED)
+    env.reset(seed=0)
+    assert env.step_torch(torch.zeros(N, 16))[-1] == {}
 
 
 def test_next_step_holds_a_waiting_slot_through_capsule_verbs():
