@@ -267,3 +267,19 @@ def test_threads_step_the_same_bytes_as_one():
         sim.reset()
         runs.append([*(x.tobytes() for pair in out for x in pair), sim.get_state().tobytes()])
     assert runs[0] == runs[1]
+
+
+def test_upside_down_scene_cameras_are_turned_the_right_way_up():
+    """The scenes' ``corner`` cameras look with their image's up axis pointing down: their frames
+    come turned by 180 degrees (the raw frame differs), the ``topview`` camera's as rendered."""
+    for camera, turned in (("corner", True), ("corner3", True), ("topview", False)):
+        sim = MetaWorld(1, "drawer-open-v3", camera=camera, image_size=32)
+        sim.seed(np.array([3]))
+        sim.reset()
+        r, cam, flip = sim._renderer(0)
+        assert flip == turned
+        r.update_scene(sim.envs[0].data, cam)
+        raw = r.render().copy()
+        frame = sim.render()[0, 0]
+        assert np.array_equal(frame, raw[::-1, ::-1] if turned else raw)
+        assert np.array_equal(frame, raw) != turned
