@@ -122,10 +122,14 @@ class MetaWorld:
         self._classes = {n: type(c.__name__, (c,), {"reset_mocap_welds": reset_mocap_welds}) for n, c in
                          ((n, ALL_V3_ENVIRONMENTS[n]) for n in self.task_names)}  # fmt: skip
         self.model_fields: dict[str, tuple[str, ...]] = {}
+        """Per task, the model arrays its resets write (:func:`episode_model_fields`)."""
+        self.physics_size, self.model_bytes = [], []  # per task: float64s of physics, bytes of model rows
         seen = 0  # the longest encoded Python fields over the discovery's episodes
         for name in self.task_names:
             env = self.make_instance(name)
-            self.model_fields[name] = episode_model_fields(env, _episode)
+            self.model_fields[name] = fields = episode_model_fields(env, _episode)
+            self.physics_size.append(mujoco.mj_stateSize(env.model, STATE_SIG))
+            self.model_bytes.append(len(model_rows(env.model, fields)))
             seen = max(seen, len(dump_fields(env, Views(env))))
             env.close()
         self.fields_capacity = -(-(2 * seen + 1024) // 8) * 8
@@ -138,9 +142,6 @@ class MetaWorld:
         self._vars = np.zeros((num_slots, len(HEAD)), dtype=np.int64)
         self._obs = np.zeros((num_slots, OBS_DIM), dtype=np.float64)
         self._experts = {n: ENV_POLICY_MAP[n]() for n in self.task_names}
-        self.physics_size = [mujoco.mj_stateSize(self.envs[i].model, STATE_SIG) for i in self._first_slots()]
-        self.model_bytes = [len(model_rows(self.envs[i].model, self.model_fields[self.task_names[t]]))
-                            for t, i in enumerate(self._first_slots())]  # fmt: skip
         self._head_bytes = 8 * (len(HEAD) + OBS_DIM)
         self._physics_at = self._head_bytes + self.fields_capacity
         body = max(8 * p + m for p, m in zip(self.physics_size, self.model_bytes, strict=True))
@@ -163,10 +164,6 @@ class MetaWorld:
         env._partially_observable = False
         vars(env).pop("sawyer_observation_space", None)  # a cached property of the observability
         return env
-
-    def _first_slots(self) -> list[int]:
-        return [int(np.flatnonzero(self.task == t)[0]) if (self.task == t).any() else 0 for t in
-                range(len(self.task_names))]  # fmt: skip
 
     def identity(self) -> str:
         """Meta-World's and MuJoCo's versions, the tasks, the camera and the row layout."""
@@ -310,11 +307,10 @@ class MetaWorld:
 
     def _renderer(self, t: int) -> tuple[mujoco.Renderer, mujoco.MjvCamera | str, bool]:
         """Task ``t``'s renderer, camera, and whether the camera's image is upside down."""
-        name = self.task_names[t]
-        r = renderer(name, self.envs[self._first_slots()[t]].model, self.image_size)
+        env = self.envs[int(np.argmax(self.task == t))]  # the task's first slot
+        r = renderer(self.task_names[t], env.model, self.image_size)
         if self.camera != "overview":
-            data = self.envs[self._first_slots()[t]].data
-            up = data.cam(self.camera).xmat.reshape(3, 3)[:, 1]  # the camera frame's y axis: image up
+            up = env.data.cam(self.camera).xmat.reshape(3, 3)[:, 1]  # the camera frame's y axis: image up
             return r, self.camera, bool(up[2] < 0)
         cam = mujoco.MjvCamera()
         cam.type = mujoco.mjtCamera.mjCAMERA_FREE
