@@ -428,9 +428,10 @@ def renderer(task: str, model: mujoco.MjModel, size: int) -> mujoco.Renderer:
         model.vis.quality.offsamples = 0
         try:
             r = mujoco.Renderer(model, size, size)
-        except mujoco.FatalError as e:
+        except (mujoco.FatalError, ImportError) as e:  # no OpenGL context, or no backend library
             raise RuntimeError(
-                f"MuJoCo cannot render ({e}); set MUJOCO_GL=egl (or osmesa) before mujoco is first imported"
+                f"MuJoCo cannot render ({e}); set MUJOCO_GL=egl (or osmesa) before mujoco is first imported, "
+                "with the library installed (Debian: libegl1, or libosmesa6)"
             ) from None
         r.scene.flags[mujoco.mjtRndFlag.mjRND_SHADOW] = 0
         r.scene.flags[mujoco.mjtRndFlag.mjRND_REFLECTION] = 0
