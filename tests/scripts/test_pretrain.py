@@ -3,6 +3,7 @@ skipped and counted, a run whose updates all are stops with its weights and batc
 run can start from a weights folder (fine-tuning); the loss never runs on cuDNN's attention."""
 
 import json
+import logging
 import math
 from pathlib import Path
 
@@ -51,11 +52,12 @@ def poisoned_at(steps: set[int]):
     return wrapped
 
 
-def test_a_non_finite_update_is_skipped_and_counted(demos, tmp_path, monkeypatch, capsys):
+def test_a_non_finite_update_is_skipped_and_counted(demos, tmp_path, monkeypatch, caplog):
     monkeypatch.setattr(FlowPolicy, "loss", poisoned_at({2}))
     overrides = ["steps=3", "eval_every=3", "eval_episodes=1", "max_episode_steps=1"]
-    summary = pretrain(monkeypatch, demos, tmp_path, *overrides)
-    line = next(x for x in capsys.readouterr().out.splitlines() if "update skipped" in x)
+    with caplog.at_level(logging.INFO, logger="pretrain_policy"):  # the run's log (Hydra's file), not print
+        summary = pretrain(monkeypatch, demos, tmp_path, *overrides)
+    line = next(r.getMessage() for r in caplog.records if "update skipped" in r.getMessage())
     assert line.startswith("step 2: update skipped (1 so far), non-finite gradients in") and "vision_pos" in line
     assert summary["skipped_steps"] == 1 and [e["step"] for e in summary["evals"]] == [3]
     assert json.loads((tmp_path / "evals.json").read_text())["skipped_steps"] == 1
