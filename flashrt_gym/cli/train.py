@@ -27,8 +27,9 @@ def main(launch: float | None = None) -> None:
     """Run the main job on the command line in ``sys.argv`` (Hydra overrides).
 
     Args:
-        launch: the ``time.time()`` of the process's launch, from which ``time_limit_s`` and the
-            reported wall times count (default: when this module was imported).
+        launch: the ``time.time()`` of the process's launch, from which the first job's
+            ``time_limit_s`` and reported wall times count (default: when this module was
+            imported); a sequential multirun's later jobs count from their own start.
     """
     launches = [IMPORTED if launch is None else launch]
 
