@@ -8,6 +8,10 @@
   simulator whose ticks are recorded into the env's step graph.
 - :mod:`flashrt_gym.sims.render`: a batched top-down renderer of the scene's primitive geoms.
 - :mod:`flashrt_gym.sims.demos`: scripted-expert demonstrations of the push task.
+- :mod:`flashrt_gym.sims.metaworld_cpu`: :class:`MetaWorld`, Meta-World's tasks on MuJoCo's C
+  library, an external simulator whose rows :mod:`flashrt_gym.sims.metaworld_state` finds by rule;
+  registered as ``FlashRT-MetaWorld-<task>-v0`` (MT1) and ``FlashRT-MetaWorld-MT10-v0``
+  (``metaworld`` is imported only when one is made).
 
 Importing this package registers ``FlashRT-MuJoCoPush`` (the CPU simulator) and
 ``FlashRT-MuJoCoWarpPush`` (MuJoCo Warp) with Gymnasium (:func:`flashrt_gym.register_simulator`);
