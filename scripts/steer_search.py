@@ -27,7 +27,9 @@ from pathlib import Path
 import numpy as np
 import torch
 from omegaconf import OmegaConf
+from tqdm import tqdm
 
+from flashrt.runtime import atomic_write
 from flashrt_gym import FlashRTVectorEnv
 from flashrt_gym.devices import resolve_device
 from flashrt_gym.evaluation import TEST_SEED
@@ -58,6 +60,7 @@ def search(env: FlashRTVectorEnv, k: int, lookahead: int, gen: torch.Generator) 
         env.fork(g, range(g * k, (g + 1) * k))
     success, done = np.zeros(groups, bool), np.zeros(groups, bool)
     steps = 0
+    bar = tqdm(total=groups, desc=f"search, K={k}", unit="episode")
     while not done.all():
         z = torch.randn(n, dim, generator=gen)
         z[::k] = 0.0  # candidate 0 of every group: the policy's mode
@@ -75,8 +78,11 @@ def search(env: FlashRTVectorEnv, k: int, lookahead: int, gen: torch.Generator) 
             best = g * k + int(np.argmax(score[g * k : (g + 1) * k]))
             if hit[best] or ended[best]:
                 success[g], done[g] = hit[best], True
+                bar.update(1)
             else:
                 env.fork(best, [s for s in range(g * k, (g + 1) * k) if s != best])
+        bar.set_postfix(env_steps=steps, success=f"{success.sum()}/{done.sum()}")
+    bar.close()
     return success, steps
 
 
@@ -113,12 +119,14 @@ def main() -> None:
     result = {"task": args.task, "weights": args.weights}
     result |= {"episodes": args.episodes, "candidates": args.candidates, "lookahead": args.lookahead}
     result["device"] = args.device
-    result.update({name: float(rollout(base, draw).mean()) for name, draw in baselines.items()})
+    for name, draw in tqdm(baselines.items(), desc="noise laws", unit="law"):
+        result[name] = float(rollout(base, draw).mean())
     del base
     env = FlashRTVectorEnv(args.episodes * args.candidates, **kw)
     success, steps = search(env, args.candidates, args.lookahead, gen)
     result.update(search_success=float(success.mean()), search_env_steps=steps, seconds=time.perf_counter() - t)
-    args.out.write_text(json.dumps(result, indent=2))
+    text = json.dumps(result, indent=2)
+    atomic_write(args.out, lambda f: f.write(text.encode()))
     print(f"{args.episodes} episodes on {args.device}, success by how the noise is chosen:")
     for name in [*baselines, "search_success"]:
         print(f"  {name.removesuffix('_success'):>16}  {result[name]:.1%}")
