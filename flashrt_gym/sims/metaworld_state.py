@@ -60,7 +60,14 @@ def reset_mocap_welds(env: Any) -> None:
 
 
 def mujoco_arrays(owner: mujoco.MjModel | mujoco.MjData) -> dict[str, np.ndarray]:
-    """Every NumPy array attribute of a MuJoCo structure, by name (views of its own memory)."""
+    """Every NumPy array attribute of a MuJoCo structure, by name.
+
+    Args:
+        owner: an ``MjModel`` or ``MjData``.
+
+    Returns:
+        Its arrays (views of its own memory), by attribute name.
+    """
     out = {}
     for name in dir(owner):
         if not name.startswith("_"):
@@ -71,12 +78,26 @@ def mujoco_arrays(owner: mujoco.MjModel | mujoco.MjData) -> dict[str, np.ndarray
 
 
 def model_rows(model: mujoco.MjModel, fields: Iterable[str]) -> bytes:
-    """The bytes of ``model``'s arrays ``fields``, concatenated in order (a state row's model part)."""
+    """A state row's model part.
+
+    Args:
+        model: the slot's model.
+        fields: names of its arrays (:func:`episode_model_fields`).
+
+    Returns:
+        The arrays' bytes, concatenated in order.
+    """
     return b"".join(np.ascontiguousarray(getattr(model, f)).tobytes() for f in fields)
 
 
 def write_model_rows(model: mujoco.MjModel, fields: Iterable[str], raw: bytes) -> None:
-    """Write :func:`model_rows`' bytes back into ``model``'s arrays ``fields`` (of this layout)."""
+    """Write a state row's model part back.
+
+    Args:
+        model: the slot's model (changed in place).
+        fields: the names :func:`model_rows` was given.
+        raw: its bytes, for arrays of this model's shapes.
+    """
     at = 0
     for f in fields:
         a = getattr(model, f)
@@ -107,7 +128,14 @@ def episode_model_fields(env: Any, draws: Callable[[Any, int], None], count: int
 
 
 def python_fields(env: Any) -> dict[str, Any]:
-    """The instance's episode state in Python: its ``__dict__`` without :data:`STRUCTURE` values."""
+    """The instance's episode state in Python.
+
+    Args:
+        env: a Meta-World task instance.
+
+    Returns:
+        Its ``__dict__`` without :data:`STRUCTURE` values (the entries themselves, not copies).
+    """
     return {k: v for k, v in vars(env).items() if not isinstance(v, STRUCTURE)}
 
 
@@ -129,10 +157,16 @@ class Views:
         ]
 
     def find(self, a: np.ndarray) -> list[Any] | None:
-        """``[owner, name, offset, shape, strides, dtype]`` of an array in MuJoCo's memory, else None.
+        """Where an array lies, if it is a live view.
 
         An array is a live view when its memory is not NumPy's (the root of its ``base`` chain is
         no array) and lies inside an array of the instance's ``MjData`` or ``MjModel``.
+
+        Args:
+            a: a field's array.
+
+        Returns:
+            ``[owner, name, offset, shape, strides, dtype]`` of a live view, else None.
 
         Raises:
             TypeError: an array in memory that neither NumPy nor this instance's MuJoCo owns.
@@ -140,7 +174,7 @@ class Views:
         root = a
         while isinstance(root, np.ndarray) and root.base is not None:
             root = root.base
-        if isinstance(root, np.ndarray) or isinstance(root, (bytes, bytearray)):
+        if isinstance(root, (np.ndarray, bytes, bytearray)):  # memory NumPy or Python owns: a value
             return None
         start, end = a.__array_interface__["data"][0], a.__array_interface__["data"][0] + a.nbytes
         for attempt in range(2):
@@ -155,7 +189,17 @@ class Views:
         raise TypeError("an array in memory that is neither NumPy's nor this instance's MjData's or MjModel's")
 
     def bind(self, ref: list[Any]) -> np.ndarray:
-        """The restoring instance's view that ``ref`` (of :meth:`find`) names."""
+        """The restoring instance's view that a reference names.
+
+        Args:
+            ref: :meth:`find`'s reference (from a row).
+
+        Returns:
+            The view of this instance's array.
+
+        Raises:
+            ValueError: a reference to no array of the instance, or reaching outside it.
+        """
         owner, name, offset, shape, strides, dtype = ref
         if owner not in ("data", "model") or not isinstance(name, str):
             raise ValueError(f"a live view names {owner}.{name}, not an array of the instance's MjData or MjModel")
@@ -215,6 +259,13 @@ def encode(value: Any, views: Views, where: str = "") -> Any:
 def decode(tree: Any, views: Views) -> Any:
     """The value :func:`encode` wrote, live views bound to ``views``' instance.
 
+    Args:
+        tree: :func:`encode`'s tree (from a row).
+        views: the restoring instance's memory map.
+
+    Returns:
+        The value.
+
     Raises:
         ValueError: a tree :func:`encode` cannot have written.
     """
@@ -247,13 +298,31 @@ def decode(tree: Any, views: Views) -> Any:
 
 
 def dump_fields(env: Any, views: Views) -> bytes:
-    """The instance's :func:`python_fields`, encoded, as UTF-8 JSON bytes."""
+    """The instance's Python fields as bytes.
+
+    Args:
+        env: a Meta-World task instance.
+        views: its memory map.
+
+    Returns:
+        Its :func:`python_fields`, :func:`encode`-d, as UTF-8 JSON.
+
+    Raises:
+        TypeError: a field the rule cannot hold (named).
+    """
     tree = {k: encode(v, views, k) for k, v in python_fields(env).items()}
     return json.dumps(tree, separators=(",", ":"), allow_nan=True).encode()
 
 
 def load_fields(raw: bytes, views: Views) -> dict[str, Any]:
     """Decode :func:`dump_fields`' bytes for ``views``' instance (nothing is written yet).
+
+    Args:
+        raw: the bytes.
+        views: the restoring instance's memory map (live views are bound to it).
+
+    Returns:
+        The fields' values, by name.
 
     Raises:
         ValueError: bytes :func:`dump_fields` cannot have written.
@@ -271,8 +340,14 @@ def load_fields(raw: bytes, views: Views) -> dict[str, Any]:
 
 
 def write_fields(env: Any, fields: dict[str, Any]) -> None:
-    """Make ``env``'s Python fields exactly ``fields``: set each, and drop the fields the row does
-    not hold (the instance then reads the class's value, as one that never set it does)."""
+    """Make ``env``'s Python fields exactly ``fields``.
+
+    Args:
+        env: the restoring instance.
+        fields: :func:`load_fields`' values: each is set, and the instance's fields the row does
+            not hold are dropped (the instance then reads the class's value, as one that never
+            set it does).
+    """
     own = vars(env)
     for k in set(python_fields(env)) - set(fields):
         del own[k]
