@@ -3,6 +3,7 @@ fresh simulator continues byte for byte; without the model rows or the Python fi
 fork, refused rows, the MuJoCo 4 shim, Meta-World's success rule, and the registered ids."""
 
 import hashlib
+import json
 import os
 
 os.environ.setdefault("MUJOCO_GL", "egl")  # MuJoCo picks its OpenGL backend when it is first imported
@@ -175,10 +176,19 @@ def test_the_shim_writes_mujoco_3s_weld_numbers_and_keeps_mujoco_4s_rest():
     assert np.array_equal(env.model.eq_data[welds, len(WELD_DATA) :], compiled.eq_data[welds, len(WELD_DATA) :])
 
 
-def test_the_field_rule_refuses_what_it_cannot_hold_by_name():
-    """A field of a type the rule does not know is refused with its name, not dropped."""
+def test_the_field_rule_finds_the_episode_state_and_refuses_what_it_cannot_hold_by_name():
+    """The rule takes the task's episode fields (the reset RNG among them) by value, the pads'
+    live views of ``data.xpos`` as references, and leaves MuJoCo's structures out; a field of a
+    type it does not know is refused with its name, not dropped."""
     sim = MetaWorld(1, "reach-v3")
+    sim.seed(np.array([4]))
+    sim.reset()
     env = sim.envs[0]
+    tree = json.loads(dump_fields(env, Views(env)))
+    assert {"_target_pos", "_prev_obs", "obj_init_pos", "curr_path_length", "_last_rand_vec"} <= set(tree)
+    assert "rng" in tree["_np_random"] and "nd" in tree["_target_pos"]
+    assert tree["init_left_pad"]["view"][:2] == ["data", "xpos"]
+    assert not {"model", "data", "action_space", "mujoco_renderer"} & set(tree)
     with pytest.raises(TypeError, match="field extra"):
         encode(object(), Views(env), "extra")
     vars(env)["extra"] = object()
