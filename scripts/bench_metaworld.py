@@ -14,6 +14,9 @@ Rows, at each ``--sizes`` (default 1 and 64 slots; slot i runs MT10 task i % 10)
   instructions' words): the shipped ``tiny`` policy's compute, since no Meta-World policy of
   this project exists yet.
 
+With ``--frames PATH``, a PNG of the camera's first frame of each MT10 task (the policy's
+resolution, each pixel drawn 3x3) is written there too.
+
 Each row runs ``--steps`` steps after ``--warmup``, or until ``--budget-s`` seconds have passed.
 The machine's load average before and after each row is written beside it: on a shared machine
 the figures are lower bounds.
@@ -122,6 +125,18 @@ def bench_env(n: int, threads: int, weights: str, args: argparse.Namespace) -> d
     return row | {"episodes_finished": finished[0]}
 
 
+def save_frames(path: Path, size: int) -> None:
+    """The first frame of one episode of each MT10 task side by side, each pixel 3x3, as a PNG."""
+    from matplotlib.image import imsave
+
+    sim = MetaWorld(10, "MT10", image_size=size)
+    sim.seed(np.arange(10))
+    sim.reset()
+    strip = np.concatenate(list(sim.render()[:, 0]), axis=1).repeat(3, axis=0).repeat(3, axis=1)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    imsave(path, strip)
+
+
 def metaworld_tiny(folder: str) -> str:
     """A random ``tiny`` policy of Meta-World's shapes, saved into ``folder``."""
     vocab = sorted({w for text in INSTRUCTIONS.values() for w in text.split()})
@@ -145,7 +160,10 @@ def main() -> None:
     ap.add_argument("--budget-s", type=float, default=60.0)
     ap.add_argument("--rows", nargs="+", default=["sim", "render", "env"], choices=["sim", "render", "env"])
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")) / "bench_metaworld.json")
+    ap.add_argument("--frames", type=Path, default=None, help="write the MT10 tasks' first frames here (PNG)")
     args = ap.parse_args()
+    if args.frames is not None:
+        save_frames(args.frames, 64)
     result: dict = {
         "machine": {
             "cpu": cpu_model(),

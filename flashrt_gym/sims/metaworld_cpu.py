@@ -62,11 +62,12 @@ success flag, the stream key, the byte length of the encoded Python fields."""
 OBS_DIM = 39
 """Meta-World's observation: hand (3), gripper (1), objects (14), the same of the previous tick, goal (3)."""
 
-OVERVIEW = {"lookat": (0.0, 0.68, 0.12), "azimuth": -135.0, "elevation": -55.0, "distance": 0.85}
+OVERVIEW = {"lookat": (0.0, 0.72, 0.15), "azimuth": -135.0, "elevation": -50.0, "distance": 1.0}
 """The ``"overview"`` camera: a free camera above the table's front-left corner that keeps the
-gripper, the object, its handle and the goal in view in the MT10 tasks at 64 px (chosen on
-rendered frames of several draws; the scenes' ``corner`` cameras render upside down and from
-further away, the front views hide the gripper behind doors, drawers and windows)."""
+gripper, the object, its handle and the goal in view in the MT10 tasks at 64 px, whole doors and
+windows included (chosen on rendered frames of several draws; the scenes' ``corner`` cameras
+render upside down and from further away, the front views hide the gripper behind doors, drawers
+and windows, a closer view cuts the windows off)."""
 
 
 def _uint64(key: int) -> int:
