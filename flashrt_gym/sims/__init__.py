@@ -55,11 +55,16 @@ def warp_push(num_envs: int, cfg: Any = None, **options: Any) -> Any:
 
 
 def metaworld(
-    num_envs: int, tasks: str | Sequence[str] = "MT10", threads: int = 1, image_size: int = 64, camera: str = "overview"
+    num_envs: int,
+    tasks: str | Sequence[str] = "MT10",
+    threads: int = 1,
+    image_size: int = 64,
+    camera: str = "overview",
+    block: int = 1,
 ) -> Any:
     """``FlashRT-MetaWorld-*``'s simulator: :class:`MetaWorld` of ``num_envs`` slots of Meta-World
-    ``tasks`` (``"MT10"`` or task names) stepped by ``threads`` CPU threads."""
-    return __getattr__("MetaWorld")(num_envs, tasks, threads, image_size, camera)
+    ``tasks`` (``"MT10"`` or task names, in runs of ``block`` slots) stepped by ``threads`` CPU threads."""
+    return __getattr__("MetaWorld")(num_envs, tasks, threads, image_size, camera, block)
 
 
 register_simulator("FlashRT-MuJoCoPush", mujoco_push)

@@ -1,10 +1,11 @@
 """Meta-World on MuJoCo's C library: one Meta-World task instance per slot, on the CPU.
 
 An :class:`~flashrt_gym.external.ExternalSimulator` over Meta-World 3's own scenes, rewards and
-success rule (``info["success"]``). Slot ``i`` hosts task ``i % len(tasks)``; each episode draws
-its object and goal positions from the slot's seeded stream (Meta-World's ``seeded_rand_vec``
-mode: uniform over the task's reset space, the goal visible in the observation as in the MT
-benchmarks), where the published MT1 / MT10 protocol cycles through 50 fixed draws per task.
+success rule (``info["success"]``). Slot ``i`` hosts task ``(i // block) % len(tasks)``; each
+episode draws its object and goal positions from the slot's seeded stream (Meta-World's
+``seeded_rand_vec`` mode: uniform over the task's reset space, the goal visible in the
+observation as in the MT benchmarks), where the published MT1 / MT10 protocol cycles through 50
+fixed draws per task.
 
 A slot's state row holds everything its next step and reset read (see
 :mod:`flashrt_gym.sims.metaworld_state`): MuJoCo's integration state, the model rows the task
@@ -80,7 +81,7 @@ def _host(x: Any) -> np.ndarray:
 
 class MetaWorld:
     """Meta-World tasks on the CPU, an external simulator: slot ``i`` a task instance of
-    ``tasks[i % len(tasks)]``.
+    ``tasks[(i // block) % len(tasks)]``.
 
     Args:
         num_slots: parallel episodes.
@@ -90,6 +91,10 @@ class MetaWorld:
         image_size: the camera's square resolution (the policy's).
         camera: ``"overview"`` (:data:`OVERVIEW`) or a camera of the scene (``"corner"``, ...; a camera
             whose up axis points down is turned the right way up).
+        block: slots come in runs of ``block`` of one task: slot ``i`` runs task
+            ``(i // block) % len(tasks)``. Rows fork only between slots of one task, so a search
+            that forks a slot into its next ``k - 1`` neighbours (``scripts/steer_search.py``'s
+            groups) wants ``block=k``.
 
     Raises:
         ValueError: bad arguments, named.
@@ -109,6 +114,7 @@ class MetaWorld:
         threads: int = 1,
         image_size: int = 64,
         camera: str = "overview",
+        block: int = 1,
     ) -> None:
         if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots < 1:
             raise ValueError(f"num_slots must be an int >= 1, got {num_slots!r}")
@@ -116,6 +122,8 @@ class MetaWorld:
             raise ValueError(f"threads must be an int >= 1 (e.g. os.cpu_count()), got {threads!r}")
         if isinstance(image_size, bool) or not isinstance(image_size, int) or image_size < 8:
             raise ValueError(f"image_size must be an int >= 8, got {image_size!r}")
+        if isinstance(block, bool) or not isinstance(block, int) or block < 1:
+            raise ValueError(f"block must be an int >= 1 (slots in a run of one task), got {block!r}")
         self.task_names = task_names(tasks)
         self.instructions = [INSTRUCTIONS[n] for n in self.task_names]
         self.num_slots, self.threads, self.image_size, self.camera = num_slots, threads, image_size, camera
@@ -135,7 +143,7 @@ class MetaWorld:
             env.close()
         self.fields_capacity = -(-(2 * seen + 1024) // 8) * 8
         """Bytes a row keeps for the encoded Python fields: twice the longest seen, and 1 KiB."""
-        self.task = np.arange(num_slots) % len(self.task_names)
+        self.task = (np.arange(num_slots) // block) % len(self.task_names)
         self.envs = [self.make_instance(self.task_names[t]) for t in self.task]
         if camera != "overview" and mujoco.mj_name2id(self.envs[0].model, mujoco.mjtObj.mjOBJ_CAMERA, camera) < 0:
             raise ValueError(f"camera must be 'overview' or a camera of the scene, got {camera!r}")

@@ -293,3 +293,16 @@ def test_upside_down_scene_cameras_are_turned_the_right_way_up():
         frame = sim.render()[0, 0]
         assert np.array_equal(frame, raw[::-1, ::-1] if turned else raw)
         assert np.array_equal(frame, raw) != turned
+
+
+def test_slots_come_in_runs_of_one_task_and_fork_within_a_run():
+    """``block=2``: slots 0, 1 run push, 2, 3 reach; a row forks into its run, not across."""
+    sim = MetaWorld(4, ["push-v3", "reach-v3"], block=2)
+    assert sim.task.tolist() == [0, 0, 1, 1] and sim.instruction().tolist() == [0, 0, 1, 1]
+    sim.seed(np.arange(4))
+    sim.reset()
+    sim.set_state([1], sim.get_state([0]))
+    with pytest.raises(ValueError, match="restore rows into slots of their own task"):
+        sim.set_state([2], sim.get_state([0]))
+    with pytest.raises(ValueError, match="block must be an int >= 1"):
+        MetaWorld(1, "reach-v3", block=0)
