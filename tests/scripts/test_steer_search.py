@@ -10,10 +10,10 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_search_runs_and_reports_every_method(tmp_path):
-    out = tmp_path / "search.json"
+def test_search_runs_and_reports_every_method(tmp_path, micro):
+    out = tmp_path / "search.json"  # the micro policy: the search's bookkeeping, not the shipped VLA's rates
     cmd = [sys.executable, str(ROOT / "scripts" / "steer_search.py"), "--episodes", "3", "--candidates", "2"]
-    args = ["--lookahead", "2", "--scales", "0.5", "--out", str(out)]
+    args = ["--lookahead", "2", "--scales", "0.5", "--weights", str(micro), "--out", str(out)]
     done = subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     r = json.loads(out.read_text())
