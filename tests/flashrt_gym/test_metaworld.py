@@ -306,3 +306,27 @@ def test_slots_come_in_runs_of_one_task_and_fork_within_a_run():
         sim.set_state([2], sim.get_state([0]))
     with pytest.raises(ValueError, match="block must be an int >= 1"):
         MetaWorld(1, "reach-v3", block=0)
+
+
+def test_env_capsules_restore_the_policy_and_meta_world_together(micro_metaworld):
+    """Through the env's verbs: snapshot, steps (an episode ends and the slot autoresets), restore,
+    the same steps again give the same bytes; a fork into a slot of the same task repeats it."""
+    envs = gym.make_vec(
+        "FlashRT-MetaWorld-push-v0", num_envs=2, vectorization_mode="vector_entry_point", weights=micro_metaworld,
+        device="cpu", max_episode_steps=2,
+    ).unwrapped  # fmt: skip
+    envs.reset(seed=3)
+    rng = np.random.default_rng(0)
+    actions = [rng.uniform(-1, 1, envs.action_space.shape).astype(np.float32) for _ in range(3)]
+
+    def run() -> list[bytes]:
+        return [np.asarray(x).tobytes() for a in actions for x in envs.step(a)[:4]]
+
+    cap = envs.snapshot()
+    want = run()
+    envs.restore(cap)
+    assert run() == want
+    envs.fork(0, [1])
+    same = [rng.uniform(-1, 1, envs.action_space.shape[1:]).astype(np.float32)] * 2
+    obs, reward, *_ = envs.step(np.stack(same))
+    assert np.array_equal(obs[0], obs[1]) and reward[0] == reward[1]
