@@ -108,9 +108,9 @@ def test_bad_values_fail_early_naming_the_key(override, key):
         check(config(*override.split(",")))
 
 
-def test_sb3_end_to_end_then_resume_then_eval(tmp_path):
-    first = tmp_path / "first"
-    out = run("train.py", "experiment=smoke", "agent=sac", "save_replay_buffer=true", f"hydra.run.dir={first}")
+def test_sb3_end_to_end_then_resume_then_eval(tmp_path, micro):
+    first, w = tmp_path / "first", f"policy.weights={micro}"  # the micro policy: the pipeline, not the VLA's rates
+    out = run("train.py", "experiment=smoke", "agent=sac", "save_replay_buffer=true", f"hydra.run.dir={first}", w)
     assert "base policy success" in out.stdout
     logged = (first / "train.log").read_text()  # Hydra's log file holds the run, not only the console
     assert "GraphSAC on cpu: 2 slots" in logged and "[16 env steps" in logged and "validation success" in logged
@@ -130,11 +130,12 @@ def test_sb3_end_to_end_then_resume_then_eval(tmp_path):
     assert sb3_replay_path(first / "checkpoints/last.zip").is_file()
     second = tmp_path / "second"
     resume = [f"resume={first}/checkpoints/last.zip", "resume_replay_buffer=true", "total_steps=24"]
-    run("train.py", "experiment=smoke", "agent=sac", f"hydra.run.dir={second}", *resume)
+    run("train.py", "experiment=smoke", "agent=sac", f"hydra.run.dir={second}", w, *resume)
     assert json.loads((second / "summary.json").read_text())["env_steps"] >= 24
     ev = run(
         "eval.py",
         "experiment=smoke",
+        w,
         "agent=sac",
         f"+checkpoint={first}/checkpoints/last.zip",
         f"hydra.run.dir={tmp_path}/e",
@@ -184,12 +185,12 @@ def test_fast_learner_multirun_then_resume_without_pickle_then_eval_and_aggregat
     )
 
 
-def test_two_ranks_under_torchrun_split_the_slots_seeds_and_batch(tmp_path):
+def test_two_ranks_under_torchrun_split_the_slots_seeds_and_batch(tmp_path, micro):
     """torchrun with two gloo ranks: each rank steps its own half of the slots from its own
     seeds, samples half the global batch, and the run reports the configured totals."""
     launcher = ("-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2")
     args = ("experiment=smoke", "env.num_envs=4", "total_steps=24", "eval.test_at=[]", f"hydra.run.dir={tmp_path}")
-    run("train.py", *args, launcher=launcher)
+    run("train.py", *args, f"policy.weights={micro}", launcher=launcher)
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["num_envs"] == 4 and summary["env_steps"] == 24
     ranks = summary["ranks"]
@@ -199,8 +200,9 @@ def test_two_ranks_under_torchrun_split_the_slots_seeds_and_batch(tmp_path):
 
 
 @pytest.mark.parametrize("task", ["tabletop", "mujoco_push"])
-def test_eval_of_the_base_policy_records_videos(tmp_path, task):
+def test_eval_of_the_base_policy_records_videos(tmp_path, task, micro):
     args = ("experiment=smoke", f"task={task}", f"+video={tmp_path}/videos", f"hydra.run.dir={tmp_path}/e")
+    args += (f"policy.weights={micro}",)  # the micro policy: the videos, not the VLA's rates
     result = json.loads(run("eval.py", *args).stdout.strip().splitlines()[-1])
     assert result["checkpoint"] is None and 0 <= result["success"] <= 1 and result["split"] == "validation"
     assert sorted(p.name for p in (tmp_path / "videos").glob("*.mp4")) == ["base-episode-0.mp4", "base-episode-1.mp4"]
