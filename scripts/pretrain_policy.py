@@ -103,6 +103,12 @@ def stuck(
     )
 
 
+def instructions(task_cfg: TabletopConfig) -> list[str]:
+    """The demonstrations' instruction texts in their index order (the shards' ``instruction``);
+    a script that trains on another simulator's shards sets this name, as it does ``evaluate``."""
+    return Tabletop(task_cfg).instructions
+
+
 def initial_model(cfg: DictConfig, task_cfg: TabletopConfig, device: str) -> FlowPolicy:
     """The preset's model for the demonstrations' task, freshly initialised, or with ``cfg.init``'s
     weights (float32), which must be a model of that same configuration."""
@@ -124,7 +130,7 @@ def run(cfg: DictConfig) -> dict:
     torch.manual_seed(cfg.seed)
     data, task_cfg = load_shards(cfg.demos)
     model = initial_model(cfg, task_cfg, device)
-    text_ids, text_mask = (t.to(device) for t in tokenizer_for(model.cfg).encode(Tabletop(task_cfg).instructions))
+    text_ids, text_mask = (t.to(device) for t in tokenizer_for(model.cfg).encode(instructions(task_cfg)))
     windows = Windows(
         data, n_obs=model.cfg.n_obs_steps, horizon=model.cfg.horizon, stride=cfg.n_action_steps, device=device
     )
