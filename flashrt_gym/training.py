@@ -251,7 +251,15 @@ def evaluate_base(cfg: DictConfig, splits: dict[str, int], device: str | None = 
 
 
 def success_interval(success: float, episodes: int) -> tuple[float, float]:
-    """The Wilson score 95 % interval of a success rate over ``episodes`` independent episodes."""
+    """The Wilson score 95 % interval of a success rate over independent episodes.
+
+    Args:
+        success: the rate observed (successes / episodes).
+        episodes: how many episodes it is over.
+
+    Returns:
+        ``(low, high)``, the interval's bounds as rates.
+    """
     ci = binomtest(round(success * episodes), episodes).proportion_ci(0.95, method="wilson")
     return float(ci.low), float(ci.high)
 
@@ -277,9 +285,11 @@ class Progress:
         self.bar.update(env_steps - self.bar.n)
 
     def validated(self, success: float) -> None:
+        """Show ``success``, the latest validation point's rate, beside the rate and ETA."""
         self.bar.set_postfix(validation=f"{success:.1%}")
 
     def close(self) -> None:
+        """End the bar (before the final evaluation, which shows its own)."""
         self.bar.close()
 
 

@@ -43,6 +43,7 @@ def timed(fn, reps: int, desc: str) -> tuple[float, float]:
 
 
 def main(argv: list[str] | None = None) -> dict:
+    """Measure, project and write the JSON (see the module docstring); returns what it wrote."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reps", type=int, default=5, help="timed calls of each measurement")
     ap.add_argument("--cores", type=int, default=2, help="idle cores of the machine projected onto")
