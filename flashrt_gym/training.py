@@ -66,10 +66,10 @@ AUTO = {  # key: (fast learner on a GPU, SB3 learner on a GPU, any learner on th
 
 CPU_NOTE = (
     "CPU-only: this run shows the whole pipeline (the base policy, FastSAC training with validation, "
-    "base and steered success on 256 test starts with 95 % intervals) within about 10 minutes on 2 cores, "
+    "base and steered success on 256 test starts with 95 % intervals) in about 11 minutes on 2 cores, "
     "not steering above the base policy. The VLA costs about 40 ms of CPU time an env step "
-    "(docs/training/cpu_budget.json), so the two test evaluations take most of the 10 minutes and leave "
-    "a few thousand env steps of training, while FastSAC passes the base policy only after about 1.5 M env "
+    "(docs/training/cpu_budget.json), so the two test evaluations take nearly all of that time and leave "
+    "almost no training, while FastSAC passes the base policy only after about 1.5 M env "
     "steps (README, Result, on a GPU)."
 )
 """The first log line of a run on the CPU: what such a run shows, and why (measured)."""
