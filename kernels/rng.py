@@ -6,9 +6,9 @@ each draw. Draws need no host synchronisation and no generator object, so they r
 captured graph and give the same bits on the CPU and the GPU.
 
 A key is first mixed as a whole 64-bit number (splitmix64's finaliser, a bijection of int64), so
-that keys differing anywhere, the high bits included, give unrelated streams: folding the key to
-32 bits first made seeds ``2**40 + i`` and ``i ^ 256`` draw the same stream, so evaluation splits
-named by high seed bits repeated training starts. The low half of the mixed key and the counter
+that keys differing anywhere, the high bits included, give unrelated streams (the evaluation
+splits' seeds differ from the training runs' in their high bits; a key folded to 32 bits before
+mixing would give ``2**40 + i`` the stream of ``i ^ 256``). The low half of the mixed key and the counter
 pick a 32-bit stream through a 32-bit integer hash (xor-shift-multiply, "lowbias32"); the high half
 is added into every element's hash, so two distinct keys share no stream even where their low
 halves collide (at odds of about 2**-64 a pair). All of it is int64 arithmetic: products wrap

@@ -1,6 +1,7 @@
 import pytest
 import torch
 
+from flashrt.kernels import rng
 from flashrt.kernels.rng import normal, random_bits, reseed, slot_key, uniform
 
 
@@ -77,3 +78,21 @@ def test_slot_key_and_reseed_give_the_same_keys_on_the_gpu():
     assert torch.equal(slot_key(seeds.cuda()).cpu(), slot_key(seeds))
     salt = torch.arange(seeds.numel())
     assert torch.equal(reseed(seeds.cuda(), salt.cuda()).cpu(), reseed(seeds, salt))
+
+
+def shared_streams(a: torch.Tensor, b: torch.Tensor) -> int:
+    """How many of keys ``a``'s streams (first 4 numbers at counter 0) are also one of ``b``'s."""
+    zero = torch.zeros(len(a), dtype=torch.int64)
+    first, second = ({r.numpy().tobytes() for r in random_bits(k, zero, 4)} for k in (a, b))
+    return len(first & second)
+
+
+def test_keys_that_differ_only_in_their_high_bits_draw_unrelated_streams(monkeypatch):
+    """Seeds 2**s + i (the evaluation splits sit at 2**40 and 2**41) share no stream with seeds
+    0 ... 4 095. Mutation: a key folded to 32 bits before mixing gives 2**40 + i the stream of
+    i ^ 256, every one of them."""
+    low = torch.arange(4096)
+    for shift in (32, 40, 41, 62):
+        assert shared_streams(low + (1 << shift), low) == 0
+    monkeypatch.setattr(rng, "_mix64", lambda key: (rng._mix32(key ^ (key >> 32)), torch.zeros_like(key)))
+    assert shared_streams(low + (1 << 40), low) == 4096
