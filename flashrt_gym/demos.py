@@ -93,7 +93,19 @@ def save_shard(shard: dict[str, torch.Tensor], path: str | os.PathLike, task: Ta
 
 
 def load_shards(folder: str | os.PathLike) -> tuple[dict[str, torch.Tensor], TabletopConfig]:
-    """Concatenate every ``*.safetensors`` shard in ``folder``; all must share one task."""
+    """Concatenate every ``*.safetensors`` shard in ``folder``; all must share one task.
+
+    Args:
+        folder: a folder of shards from :func:`save_shard` (or the MuJoCo push task's, which share
+            the tabletop's task configuration).
+
+    Returns:
+        The concatenated ticks and the tabletop configuration they were collected on.
+
+    Raises:
+        FileNotFoundError: no shard in ``folder``.
+        ValueError: a shard of another format or task, or shards of another simulator.
+    """
     paths = sorted(Path(folder).glob("*.safetensors"))
     if not paths:
         raise FileNotFoundError(f"no demonstration shards (*.safetensors) in {folder}; run scripts/collect_demos.py")
@@ -108,7 +120,14 @@ def load_shards(folder: str | os.PathLike) -> tuple[dict[str, torch.Tensor], Tab
             task_json = meta["task"]
             parts.append({k: f.get_tensor(k) for k in f.keys()})
     data = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
-    return data, TabletopConfig(**json.loads(task_json))
+    try:
+        task = TabletopConfig(**json.loads(task_json))
+    except TypeError as e:  # another simulator's shards (Meta-World's task is no tabletop configuration)
+        raise ValueError(
+            f"the shards in {folder} hold no tabletop task configuration ({e}): shards of another simulator "
+            "load with that simulator's load_shards (flashrt_gym.sims.metaworld_demos for Meta-World)"
+        ) from e
+    return data, task
 
 
 class Windows:

@@ -1,7 +1,8 @@
 """Shared test options (`cuda` tests skip cleanly on machines without a CUDA GPU) and fixtures.
 
 Without a GPU, Triton kernels run through Triton's CPU interpreter where Triton is installed
-(the variable must be set before Triton is first imported, hence here).
+(the variable must be set before Triton is first imported, hence here); without a display,
+MuJoCo renders through EGL (likewise fixed at its first import).
 """
 
 import importlib.util
@@ -13,6 +14,8 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+if not os.environ.get("DISPLAY"):  # MuJoCo picks its OpenGL backend at its first import, whichever test runs first
+    os.environ.setdefault("MUJOCO_GL", "egl")
 
 if importlib.util.find_spec("mujoco") is None:  # the MuJoCo task's tests need the mujoco extra
     collect_ignore_glob = ["flashrt_gym/test_mujoco*.py"]

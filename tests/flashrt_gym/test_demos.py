@@ -1,6 +1,10 @@
-import torch
+import json
 
-from flashrt_gym.demos import Windows, collect, load_shards, save_shard
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from flashrt_gym.demos import FORMAT, Windows, collect, load_shards, save_shard
 from flashrt_gym.tasks import TabletopConfig
 
 
@@ -38,3 +42,12 @@ def test_collected_shards_round_trip_and_windows_follow_the_runtime_layout(tmp_p
     last = int(torch.nonzero(torch.cat([ep[1:] != ep[:-1], torch.tensor([True])]))[0])
     tail = w.batch(torch.tensor([last]), text_ids, text_mask)
     assert tail["action_mask"][0].tolist() == [True] + [False] * 7
+
+
+def test_shards_of_another_simulator_are_named_not_misread(tmp_path):
+    """A shard whose task is no tabletop configuration (Meta-World's, say) is refused with a
+    ValueError that names the loader to use, not a TypeError from deep inside."""
+    meta = {"format": FORMAT, "task": json.dumps({"tasks": ["reach-v3"], "image_size": 64}), "simulator": "metaworld"}
+    save_file({"tick": torch.zeros(1, dtype=torch.int64)}, str(tmp_path / "s.safetensors"), metadata=meta)
+    with pytest.raises(ValueError, match="shards of another simulator load with that simulator's load_shards"):
+        load_shards(tmp_path)
