@@ -1,4 +1,4 @@
-"""Simulators on a MuJoCo scene of the tabletop push task.
+"""Simulators on MuJoCo: the tabletop push task, Meta-World, and any Gymnasium MuJoCo env.
 
 - :mod:`flashrt_gym.sims.push`: the task's configuration, the scene's checked layout and the task
   logic (draws, rewards, success, observation, scripted expert) every backend shares.
@@ -11,7 +11,10 @@
 - :mod:`flashrt_gym.sims.metaworld_cpu`: :class:`MetaWorld`, Meta-World's tasks on MuJoCo's C
   library, an external simulator whose rows :mod:`flashrt_gym.sims.metaworld_state` finds by rule;
   registered as ``FlashRT-MetaWorld-<task>-v0`` (MT1) and ``FlashRT-MetaWorld-MT10-v0``
-  (``metaworld`` is imported only when one is made).
+  (``metaworld`` is imported only when one is made); :mod:`flashrt_gym.sims.metaworld_demos`: its
+  scripted-expert demonstrations.
+- :mod:`flashrt_gym.sims.gym_external`: :class:`GymnasiumMujocoSim`, any Gymnasium MuJoCo env as a
+  batched external simulator (bring your own; not registered here).
 
 Importing this package registers ``FlashRT-MuJoCoPush`` (the CPU simulator) and
 ``FlashRT-MuJoCoWarpPush`` (MuJoCo Warp) with Gymnasium (:func:`flashrt_gym.register_simulator`);
