@@ -6,15 +6,19 @@
 # instructions chosen, and that one measured once on the test starts, seen and held out.
 #
 #   bash scripts/rebuild_base.sh OUT_DIR [pretrain override ...]
+#   COLLECT="num_episodes=8 num_slots=8" TEST_EPISODES=16 bash scripts/rebuild_base.sh /tmp/smoke \
+#       steps=2 eval_every=1 eval_episodes=8 batch_size=8 warmup=1                   # a CPU smoke run
 #
 # Writes OUT_DIR/demos/, OUT_DIR/pretrain/ (step-N/ folders, evals.json), OUT_DIR/chosen -> the
-# chosen step-N/, and OUT_DIR/base_test.json (the chosen policy on 1 024 test starts a split).
+# chosen step-N/, and OUT_DIR/base_test.json (the chosen policy on TEST_EPISODES test starts a split).
 set -euo pipefail
 out=${1:?usage: bash scripts/rebuild_base.sh OUT_DIR [pretrain override ...]}
 extra=("${@:2}")
+read -r -a collect <<<"${COLLECT:-}"   # more collect_demos.py overrides
+episodes=${TEST_EPISODES:-1024}         # test episodes a split
 py=${PYTHON:-$(command -v python || command -v python3)}
 mkdir -p "$out"
-"$py" scripts/collect_demos.py "out=$out/demos" "hydra.run.dir=$out/hydra/collect"
+"$py" scripts/collect_demos.py "out=$out/demos" "hydra.run.dir=$out/hydra/collect" "${collect[@]}"
 "$py" scripts/pretrain_policy.py "demos=$out/demos" "out=$out/pretrain" "hydra.run.dir=$out/hydra/pretrain" "${extra[@]}"
 chosen=$("$py" -c '
 import json, sys
@@ -23,7 +27,8 @@ print(max(evals, key=lambda e: (e["success_train"], -e["step"]))["weights"])' "$
 ln -sfn "$(realpath "$chosen")" "$out/chosen"
 echo "chosen on validation (seen instructions): $chosen"
 for split in train heldout; do
-  "$py" scripts/eval.py +split=test eval.episodes=1024 eval.test_episodes=1024 "task.split=$split" "policy.weights=$out/chosen" \
+  "$py" scripts/eval.py +split=test "eval.episodes=$episodes" "eval.test_episodes=$episodes" "task.split=$split" \
+    "policy.weights=$out/chosen" \
     "hydra.run.dir=$out/hydra/eval_$split" | tail -n 1 | "$py" -c '
 import json, sys
 print(json.dumps({"instructions": sys.argv[1], **json.loads(sys.stdin.read())}))' "$split"
