@@ -3,10 +3,6 @@ registered, made with ``make_vec`` and stepped through a VLA, with exact snapsho
 partial-row ablation that departs; the adapter's members one by one; and the protocol check that
 names every missing member (at registration for a class, at the first make for a factory)."""
 
-import os
-
-os.environ.setdefault("MUJOCO_GL", "egl")  # mujoco picks its OpenGL platform on first import
-
 import functools
 import types
 from dataclasses import replace

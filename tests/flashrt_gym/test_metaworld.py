@@ -4,9 +4,6 @@ fork, refused rows, the MuJoCo 4 shim, Meta-World's success rule, and the regist
 
 import hashlib
 import json
-import os
-
-os.environ.setdefault("MUJOCO_GL", "egl")  # MuJoCo picks its OpenGL backend when it is first imported
 
 import gymnasium as gym
 import numpy as np

@@ -2,11 +2,8 @@
 starts from the demonstrations' seed block only), and scripts/metaworld_pretrain.py end to end."""
 
 import json
-import os
 import sys
 from pathlib import Path
-
-os.environ.setdefault("MUJOCO_GL", "egl")  # MuJoCo picks its OpenGL backend when it is first imported
 
 import numpy as np
 import pytest
