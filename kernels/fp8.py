@@ -146,6 +146,11 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _check(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None) -> None:
+    if torch.is_grad_enabled() and x.requires_grad:
+        raise ValueError(
+            "fp8 linear: FP8 projections are for inference (no gradient flows through e4m3 rounding or to the "
+            "weights): run under torch.no_grad(), or train with set_precision('native')"
+        )
     n, k = weight.data.shape
     if weight.data.dtype != E4M3 or weight.scale.shape != (n,) or weight.scale.dtype != torch.float32:
         raise ValueError(
@@ -172,16 +177,19 @@ def linear_emulated(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | Non
 
 def runs_scaled_mm(x: torch.Tensor) -> bool:
     """Whether :func:`linear` on ``x`` takes the FP8 tensor-core GEMM: bf16 activations on a
-    GPU that has it (:func:`supported`), outside autograd."""
-    if x.dtype != torch.bfloat16 or not supported(x.device):
-        return False
-    return not (torch.is_grad_enabled() and x.requires_grad)
+    GPU that has it (:func:`supported`)."""
+    return x.dtype == torch.bfloat16 and supported(x.device)
 
 
 def linear(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ W^T (+ bias)`` with ``W`` quantised per output channel and ``x`` (..., k) quantised
     per token (see the module docstring) -> (..., n) in x's dtype. One ``torch._scaled_mm`` on
-    an FP8 GPU for bf16 ``x`` (:func:`runs_scaled_mm`), :func:`linear_emulated` elsewhere."""
+    an FP8 GPU for bf16 ``x`` (:func:`runs_scaled_mm`), :func:`linear_emulated` elsewhere.
+
+    Raises:
+        ValueError: shapes that do not fit, a weight that is not an :class:`Fp8Weight`, or ``x``
+            that autograd records through (FP8 is for inference).
+    """
     if not runs_scaled_mm(x):
         return linear_emulated(x, weight, bias)
     _check(x, weight, bias)

@@ -76,6 +76,8 @@ def test_bad_input_is_refused_with_the_fix():
         f8.linear(torch.randn(3, 32), f8.Fp8Weight(q.data.float(), q.scale))
     with pytest.raises(ValueError, match="bias must be"):
         f8.linear(torch.randn(3, 32), q, torch.zeros(8))
+    with pytest.raises(ValueError, match="for inference"):
+        f8.linear(torch.randn(3, 32, requires_grad=True), q)
 
 
 def test_emulated_linear_is_the_quantised_product():
