@@ -138,12 +138,13 @@ class Fp8Weights:
     place when the parameters change, so a captured graph keeps reading the right bytes).
 
     Args:
-        weights: the projections by name, each a function returning its (n, k) weight.
+        weights: the projections by name, each a function returning its (n, k) weight (kept as
+            ``sources``).
         params: the parameters they are made from.
     """
 
     def __init__(self, weights: dict[str, Callable[[], torch.Tensor]], *params: nn.Parameter) -> None:
-        self.names = tuple(weights)
+        self.names, self.sources = tuple(weights), weights
         self._folded = Folded(
             lambda: tuple(t for n, w in weights.items() for t in fp8.quantize_weight(w(), n)), *params
         )
