@@ -23,6 +23,7 @@ import torch
 from flashrt import kernels
 from flashrt.kernels import fp8
 from flashrt.policies import FlowPolicy, deployment_digest, load
+from flashrt.policies.model import PRECISIONS
 from tests.policies.golden import KINDS, TOL, convert, golden, load_converted, prefix
 
 BOUNDS = {"keys": 0.35, "values": 0.35, "actions": 0.2, "gemm": 0.2}
@@ -37,6 +38,11 @@ def channel_error(got: torch.Tensor, want: torch.Tensor, where: torch.Tensor | N
         got, want = got * where, want * where
     err = (got - want).flatten(0, -2).norm(dim=0)
     return (err / want.flatten(0, -2).norm(dim=0).clamp_min(1e-30)).max().item()
+
+
+def relative(got: torch.Tensor, want: torch.Tensor) -> float:
+    """``||got - want|| / ||want||``."""
+    return ((got.float() - want.float()).norm() / want.float().norm()).item()
 
 
 def gemm_error(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -179,6 +185,26 @@ def test_fp8_weights_follow_the_parameters(converted):
         model.set_precision("native")
 
 
+def test_a_text_first_policy_runs_fp8_through_the_pipeline():
+    """This project's own layout (instruction block, a history ring, the state in the prefix)
+    through the pipeline's stages: FP8's actions are near the native ones, not equal to them."""
+    from tests.policies.small import observe, pipeline
+
+    actions = []
+    for precision in PRECISIONS:
+        p = pipeline(3)
+        p.model.set_precision(precision)
+        p.encode_instruction()
+        for seed in (1, 2):
+            observe(p, seed)
+        p["noise"].copy_(torch.randn(p["noise"].shape, generator=torch.Generator().manual_seed(3)))
+        p.denoise()
+        actions.append(p["actions"].clone())
+    native, low = actions
+    assert torch.isfinite(low).all() and not torch.equal(native, low)
+    assert relative(low, native) < 0.1
+
+
 def test_load_takes_the_precision(tmp_path):
     folder = convert("pi0", tmp_path / "pi0")
     model, _ = load(folder, precision="fp8")
@@ -245,10 +271,6 @@ def full_size_run(model: FlowPolicy, n: int = 2) -> tuple[torch.Tensor, torch.Te
         actions = model.sample(noise, model.frame_segments(kv, valid, mask.expand(n, -1)), frame)
     live = torch.cat([torch.ones(c.image_tokens, dtype=torch.bool, device="cuda"), mask, mask[:1] | True])
     return kv[..., live, :].float(), actions.float()
-
-
-def relative(got: torch.Tensor, want: torch.Tensor) -> float:
-    return ((got - want).norm() / want.norm()).item()
 
 
 def full_size_errors(got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor, torch.Tensor]) -> dict:
