@@ -7,10 +7,11 @@ its torch reference elsewhere (:mod:`flashrt.kernels`).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from flashrt.kernels import (
@@ -21,7 +22,9 @@ from flashrt.kernels import (
     add_partials,
     add_rms_norm,
     attention,
+    fp8,
     gated_add,
+    gelu_mul,
     linear,
     linear_geglu,
     linear_gelu,
@@ -129,12 +132,36 @@ class Folded:
         return self.value
 
 
+class Fp8Weights:
+    """A block's projection weights as per-channel e4m3 copies (:func:`flashrt.kernels.fp8.quantize_weight`),
+    derived from its parameters as :class:`Folded` derives (quantised on first use, requantised in
+    place when the parameters change, so a captured graph keeps reading the right bytes).
+
+    Args:
+        weights: the projections by name, each a function returning its (n, k) weight (kept as
+            ``sources``).
+        params: the parameters they are made from.
+    """
+
+    def __init__(self, weights: dict[str, Callable[[], torch.Tensor]], *params: nn.Parameter) -> None:
+        self.names, self.sources = tuple(weights), weights
+        self._folded = Folded(
+            lambda: tuple(t for n, w in weights.items() for t in fp8.quantize_weight(w(), n)), *params
+        )
+
+    def get(self) -> dict[str, fp8.Fp8Weight]:
+        """The quantised weights by name."""
+        flat = self._folded.get()
+        return {n: fp8.Fp8Weight(flat[2 * i], flat[2 * i + 1]) for i, n in enumerate(self.names)}
+
+
 class Deferred(NamedTuple):
     """A layer's down projection not yet added to the residual stream: ``x + delta`` (pi0), or
     ``x + delta * gate`` (pi0.5's gated add, ``gate`` (W,) or (N, W) float32). The next layer's
-    first norm adds it (:meth:`DecoderLayer.forward_deferred`), or :func:`settle` after the last."""
+    first norm adds it (:meth:`DecoderLayer.forward_deferred`), or :func:`settle` after the last.
+    ``delta``: split-k partial products, or (an FP8 layer's down projection) x's shape and dtype."""
 
-    delta: PartialProduct
+    delta: PartialProduct | torch.Tensor
     gate: torch.Tensor | None
 
 
@@ -143,7 +170,7 @@ def settle(x: torch.Tensor, pending: Deferred | None) -> torch.Tensor:
     if pending is None:
         return x
     if pending.gate is None:
-        return add_partials(x, pending.delta)
+        return add_partials(x, pending.delta) if isinstance(pending.delta, PartialProduct) else x + pending.delta
     return gated_add(x, pending.delta, pending.gate)
 
 
@@ -189,15 +216,24 @@ class DecoderLayer(nn.Module):
         self.gate_up = nn.Linear(width, 2 * mlp, bias=False)
         self.down = nn.Linear(mlp, width, bias=False)
         self._qkv = Folded(lambda: (torch.cat([self.q.weight, self.kv.weight]),), self.q.weight, self.kv.weight)
+        self.fp8: Fp8Weights | None = None
 
     @property
     def adaptive(self) -> bool:
         return isinstance(self.norm1, AdaRMSNorm)
 
+    def quantize_fp8(self, on: bool = True) -> None:
+        """Run the four projections (q/k/v, o, gate/up, down) as FP8 GEMMs (``on``), or in the
+        weights' dtype again. The parameters stay as they are; the e4m3 copies are derived."""
+        ws = (self.q.weight, self.kv.weight, self.o.weight, self.gate_up.weight, self.down.weight)
+        named = {"qkv": lambda: torch.cat([self.q.weight, self.kv.weight]), "o": lambda: self.o.weight,
+                 "gate_up": lambda: self.gate_up.weight, "down": lambda: self.down.weight}  # fmt: skip
+        self.fp8 = Fp8Weights(named, *ws) if on else None
+
     def fused_weights(self) -> tuple[torch.Tensor, ...]:
         """norm1, q/k/v, o, norm2, gate/up and down weights: what :mod:`flashrt.kernels.expert_layer`
-        takes (norm scales as applied); empty for an adaptive layer, which no fused kernel takes."""
-        if self.adaptive:
+        takes (norm scales as applied); empty for an adaptive or FP8 layer, which no fused kernel takes."""
+        if self.adaptive or self.fp8 is not None:
             return ()
         return (self.norm1.scale(), self.qkv_weight(), self.o.weight, self.norm2.scale(), self.gate_up.weight,
                 self.down.weight)  # fmt: skip
@@ -270,6 +306,8 @@ class DecoderLayer(nn.Module):
                 "forward_deferred: a pending projection needs its gate exactly where the layer is adaptive "
                 "(pi0.5); pass the pending that the layer before returned"
             )
+        if self.fp8 is not None:
+            return self._forward_fp8(x, pending, pos0, inv_freq, context, own_mask, kv_out, mod, defer, rope)
         if self.adaptive:
             if mod is None:
                 raise ValueError("an adaptive (time-conditioned) layer needs its modulation `mod`")
@@ -303,6 +341,41 @@ class DecoderLayer(nn.Module):
         if defer and splits(h, self.down.weight):
             return x, Deferred(linear_partials(h, self.down.weight), None), k, v
         return add_matmul(x, h, self.down.weight), None, k, v
+
+    def _forward_fp8(
+        self,
+        x: torch.Tensor,
+        pending: Deferred | None,
+        pos0: torch.Tensor,
+        inv_freq: torch.Tensor,
+        context: Sequence[Segment],
+        own_mask: torch.Tensor | None,
+        kv_out: torch.Tensor | None,
+        mod: torch.Tensor | None,
+        defer: bool,
+        rope: Rope | None,
+    ) -> tuple[torch.Tensor, Deferred | None, torch.Tensor | None, torch.Tensor | None]:
+        """:meth:`forward_deferred` with the four projections as FP8 GEMMs (:func:`flashrt.kernels.fp8.linear`):
+        the norms, rotary, attention, GeGLU and residual adds are the bf16 path's kernels, unfused
+        from the projections; the down projection is deferred as a tensor."""
+        w = self.fp8.get()
+        delta = None if pending is None else pending.delta
+        if self.adaptive:
+            if mod is None:
+                raise ValueError("an adaptive (time-conditioned) layer needs its modulation `mod`")
+            m1, m2 = mod.unbind(-3)
+            x, y = add_ada_rms_norm(x, delta, None if pending is None else pending.gate, m1, self.norm1.eps)
+        else:
+            x, y = add_rms_norm(x, delta, self.norm1.scale(), self.norm1.eps)
+        a, k, v = self._attend(fp8.linear(y, w["qkv"]), pos0, inv_freq, context, own_mask, kv_out, rope)
+        o = fp8.linear(a, w["o"])
+        if self.adaptive:
+            x, y = add_ada_rms_norm(x, o, m1.select(-2, 2), m2, self.norm2.eps)
+        else:
+            x, y = add_rms_norm(x, o, self.norm2.scale(), self.norm2.eps)
+        down = Deferred(fp8.linear(gelu_mul(fp8.linear(y, w["gate_up"])), w["down"]),
+                        m2.select(-2, 2) if self.adaptive else None)  # fmt: skip
+        return (x, down, k, v) if defer else (settle(x, down), None, k, v)
 
     def _attend(
         self,
@@ -356,18 +429,32 @@ class VisionBlock(nn.Module):
         self.qkv = nn.Linear(width, 3 * width)
         self.o = nn.Linear(width, width)
         self.fc1, self.fc2 = nn.Linear(width, mlp), nn.Linear(mlp, width)
+        self.fp8: Fp8Weights | None = None
+
+    def quantize_fp8(self, on: bool = True) -> None:
+        """Run the four projections (q/k/v, o, fc1, fc2) as FP8 GEMMs (``on``), or in the weights'
+        dtype again. The parameters stay as they are; the e4m3 copies are derived."""
+        mods = {"qkv": self.qkv, "o": self.o, "fc1": self.fc1, "fc2": self.fc2}
+        named = {name: (lambda m=m: m.weight) for name, m in mods.items()}
+        self.fp8 = Fp8Weights(named, *(m.weight for m in mods.values())) if on else None
 
     def forward(self, x: torch.Tensor, delta: Biased, patches: int) -> tuple[torch.Tensor, Biased]:
         """x (N, C*P, W) and the pending ``delta`` (x's shape or its trailing dims) -> the block's
         output as the same pair (the stream is their sum); attention runs within each image of
-        ``patches`` tokens."""
+        ``patches`` tokens. With :meth:`quantize_fp8` the projections are FP8 GEMMs (biases and
+        the GELU in bf16, apart)."""
         n, t, w = x.shape
+        q8 = None if self.fp8 is None else self.fp8.get()
         x, h = layer_norm(self.norm1, x, delta)
-        qkv = linear(h, self.qkv.weight, self.qkv.bias)
+        qkv = linear(h, self.qkv.weight, self.qkv.bias) if q8 is None else fp8.linear(h, q8["qkv"], self.qkv.bias)
         q, k, v = qkv.view(n * t // patches, patches, 3, self.heads, w // self.heads).permute(2, 0, 3, 1, 4)
         attn = attention(q, k, v, None).reshape(n, t, w)  # (N*C, P, heads, w/heads) -> (N, C*P, W)
-        x, h = layer_norm(self.norm2, x, Biased(linear(attn, self.o.weight), self.o.bias))
-        return x, Biased(linear(linear_gelu(h, self.fc1.weight, self.fc1.bias), self.fc2.weight), self.fc2.bias)
+        o = linear(attn, self.o.weight) if q8 is None else fp8.linear(attn, q8["o"])
+        x, h = layer_norm(self.norm2, x, Biased(o, self.o.bias))
+        if q8 is None:
+            return x, Biased(linear(linear_gelu(h, self.fc1.weight, self.fc1.bias), self.fc2.weight), self.fc2.bias)
+        f = F.gelu(fp8.linear(h, q8["fc1"], self.fc1.bias), approximate="tanh")
+        return x, Biased(fp8.linear(f, q8["fc2"]), self.fc2.bias)
 
 
 def sincos(t: torch.Tensor, dim: int, min_period: float = 4e-3, max_period: float = 4.0) -> torch.Tensor:

@@ -25,6 +25,11 @@ of the flow time) are computed once per observation and kept as block B's last t
 modulations are constants, folded once per weights); ``norm_plus_one`` takes Gemma's ``1 + w``
 norm scale; ``state_norm`` / ``action_norm`` apply the dataset statistics stored beside the
 weights.
+
+Precision (:meth:`FlowPolicy.set_precision`): ``"native"`` runs every projection in the weights'
+dtype; ``"fp8"`` runs the projections of every vision block and decoder layer (SigLIP, Gemma,
+the expert) as FP8 GEMMs over per-channel e4m3 copies of their weights
+(:mod:`flashrt.kernels.fp8`; tolerance: docs/FP8.md).
 """
 
 from __future__ import annotations
@@ -62,6 +67,9 @@ from flashrt.policies.layers import (
     sincos_2d,
 )
 from flashrt.runtime.streams import Event, Stream, beside
+
+PRECISIONS = ("native", "fp8")
+"""What :meth:`FlowPolicy.set_precision` takes."""
 
 
 class FlowPolicy(nn.Module):
@@ -148,6 +156,39 @@ class FlowPolicy(nn.Module):
     @property
     def dtype(self) -> torch.dtype:
         return self.action_in.weight.dtype
+
+    @property
+    def precision(self) -> str:
+        """``"native"`` or ``"fp8"`` (:meth:`set_precision`)."""
+        return "fp8" if self.prefix[0].fp8 is not None else "native"
+
+    def set_precision(self, precision: str) -> FlowPolicy:
+        """Choose how the large projections run; returns the model.
+
+        ``"native"`` (the default): in the weights' dtype. ``"fp8"``: the q/k/v, output and MLP
+        projections of every vision block and decoder layer (SigLIP, the prefix Gemma, the
+        expert) as FP8 GEMMs: weights quantised to e4m3 per output channel, activations per
+        token with dynamic scales (:mod:`flashrt.kernels.fp8`). Embeddings, the patch embedding,
+        the projector, the time, state and action MLPs, norms, softmax and the Euler
+        integration keep their dtype. The parameters are unchanged (the state dict, training and
+        saving see them): the e4m3 copies are derived from them on first use and requantised in
+        place when they change.
+
+        Args:
+            precision: one of :data:`PRECISIONS`.
+
+        Returns:
+            ``self``.
+
+        Raises:
+            ValueError: an unknown precision, or (on first use) a projection FP8 cannot take
+                (a dimension not a multiple of 16).
+        """
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+        for block in (*self.vision, *self.prefix, *self.expert):
+            block.quantize_fp8(precision == "fp8")
+        return self
 
     # -- dataset normalisation -----------------------------------------------------------------
     def normalize_state(self, proprio: torch.Tensor) -> torch.Tensor:

@@ -46,7 +46,7 @@ from dataclasses import dataclass
 import torch
 
 from flashrt import kernels, runtime
-from flashrt.kernels import expert_layer
+from flashrt.kernels import expert_layer, fp8
 from flashrt.kernels.rng import draw_normal_
 from flashrt.policies import attention_long
 from flashrt.policies.layers import Prefix
@@ -113,14 +113,21 @@ class PolicyState:
 
 
 def deployment_digest(model: FlowPolicy, weights_id: str) -> str:
-    """Hash of what makes outputs comparable: config, weights, dtype, runtime and kernel versions,
-    and which kernel implementation (Triton or the torch references) runs on the model's device."""
-    impl = kernels.implementation(next(model.parameters()).device)
+    """Hash of what makes outputs comparable: config, weights, dtype, precision, runtime and kernel
+    versions, and which kernel implementation (Triton or the torch references) runs on the model's
+    device (with FP8, whether its GEMMs run or are emulated)."""
+    device = next(model.parameters()).device
+    impl = kernels.implementation(device)
+    if model.precision == "fp8" and not (fp8.supported(device) and model.dtype == torch.bfloat16):
+        impl += "+fp8-emulated"
     if impl == "triton" and expert_layer.runs_for(*model.expert[0].fused_weights()):  # sums in another order
         impl += "+expert_layer"
     if impl.startswith("triton"):  # long prefix blocks (pi0's) take the flash kernel
         impl += f"+attention_long-{attention_long.VERSION}"
-    text = "|".join([model.cfg.to_json(), weights_id, str(model.dtype), runtime.__version__, kernels.__version__, impl])
+    parts = [model.cfg.to_json(), weights_id, str(model.dtype), runtime.__version__, kernels.__version__, impl]
+    if model.precision != "native":  # FP8 GEMMs: other outputs (a native digest is as it always was)
+        parts.append(f"{model.precision}-{fp8.VERSION}")
+    text = "|".join(parts)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 

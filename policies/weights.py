@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 from safetensors.torch import save as save_bytes
 
 from flashrt.policies.config import PolicyConfig
-from flashrt.policies.model import FlowPolicy
+from flashrt.policies.model import PRECISIONS, FlowPolicy
 from flashrt.policies.tokenizer import PaliGemmaTokenizer, WordTokenizer
 from flashrt.runtime.files import atomic_write
 
@@ -74,10 +74,18 @@ def file_sha256(path: str | os.PathLike) -> str:
 
 
 def load(
-    folder: str | os.PathLike, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
+    folder: str | os.PathLike,
+    *,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    precision: str = "native",
 ) -> tuple[FlowPolicy, str]:
     """Build the model in ``folder`` on ``device`` as ``dtype``; returns it and a weights id
-    (the SHA-256 of the weights file), which the deployment digest includes."""
+    (the SHA-256 of the weights file), which the deployment digest includes. ``precision="fp8"``
+    runs its large projections as FP8 GEMMs (:meth:`FlowPolicy.set_precision`; the file is
+    unchanged, the e4m3 weights are derived at load)."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     folder = Path(folder)
     if not (folder / CONFIG).is_file():
         raise WeightsError(f"{folder} has no {CONFIG}; a weights folder holds {CONFIG}, a tokenizer and {WEIGHTS}")
@@ -116,4 +124,4 @@ def load(
     model = model.to(device=device, dtype=dtype)
     if cfg.tokenizer == "paligemma":
         model.tokenizer = tok
-    return model, file_sha256(folder / WEIGHTS)
+    return model.set_precision(precision), file_sha256(folder / WEIGHTS)

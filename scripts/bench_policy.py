@@ -27,9 +27,19 @@ their exact computation (what the converter produces; random weights, and the te
 SentencePiece model standing in for PaliGemma's tokenizer): images then language in one block B,
 encoded with every observation (pi0.5: the prompt with the state assembled first).
 
+``--precision native fp8`` measures every run in both precisions (``FlowPolicy.set_precision``:
+FP8 runs the blocks' projections as e4m3 GEMMs); an FP8 row's FLOP floor charges its FP8 GEMMs
+at the measured FP8 matrix rate and the rest at the bf16 rate (``fp8_GFLOP``), and
+``floor_ratio`` is the graph's time over that floor. ``--runs preset:batch`` adds single runs
+(pi0.5 at one batch size), ``--lean`` keeps only what a throughput table needs (the kernels graph
+with its capture time, floors, compile where asked).
+
     python scripts/bench_policy.py --out bench_policy.json
     python scripts/bench_policy.py --tiny-batches --pi0-batches --exact lerobot_pi0 lerobot_pi05 \
         --exact-batches 1 8 64 --compile lerobot_pi0:1 --out bench_policy_exact.json
+    python scripts/bench_policy.py --tiny-batches --pi0-batches --exact lerobot_pi0 --exact-batches 1 8 64 256 \
+        --runs lerobot_pi05:1 --precision native fp8 --compile lerobot_pi0:1 lerobot_pi0:64 --lean \
+        --out bench_policy_fp8.json
 """
 
 from __future__ import annotations
@@ -42,12 +52,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from benchlib import count_kernels, gpu_rates, graph_kernels, provenance, top_kernels, wall_ms
+from benchlib import count_kernels, cuda_time, gpu_rates, graph_kernels, provenance, top_kernels, wall_ms
 from torch.utils.flop_counter import FlopCounterMode
 from tqdm import tqdm
 
 from flashrt import kernels
+from flashrt.kernels import fp8
 from flashrt.policies import PRESETS, FlowPolicy, InstructionTable, PaliGemmaTokenizer, PolicyPipeline, policy_specs
+from flashrt.policies.model import PRECISIONS
 from flashrt.runtime import BufferSet, Graph, atomic_write
 from flashrt_gym.tasks import TabletopConfig
 
@@ -123,6 +135,17 @@ def nbytes(module: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in module.parameters())
 
 
+def fp8_rate() -> float:
+    """Dense FP8 matrix rate (TFLOP/s) of ``torch._scaled_mm`` with row-wise scales, measured
+    now (0 where the GPU has no FP8 GEMM)."""
+    if not fp8.supported("cuda"):
+        return 0.0
+    a = torch.randn(8192, 8192, device="cuda").to(fp8.E4M3)
+    sa, sb = torch.ones(8192, 1, device="cuda"), torch.ones(1, 8192, device="cuda")
+    us = cuda_time(lambda: torch._scaled_mm(a, a.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16), 20)
+    return 2 * 8192**3 / us / 1e6
+
+
 def floors(model: FlowPolicy, n: int, step: Callable[[], None], rates: dict) -> dict:
     """The step's floors (see the module docstring), in ms."""
     c = model.cfg
@@ -130,36 +153,63 @@ def floors(model: FlowPolicy, n: int, step: Callable[[], None], rates: dict) -> 
     encode -= nbytes(model.text_embed)  # a table the step looks a few rows up in (pi0's: 1 GB)
     per_euler = nbytes(model.expert) + n * c.depth * 2 * c.kv_heads * c.prefix_tokens * c.head_dim * 2
     moved = encode + c.steps * per_euler
+    if model.precision == "fp8":  # the blocks' weights are read as e4m3
+        blocks = [*model.vision, *model.prefix, *model.expert]
+        mats = [m.weight for b in blocks for m in b.modules() if isinstance(m, torch.nn.Linear)]
+        fp8_bytes = {p.data_ptr(): p.numel() * (p.element_size() - 1) for p in mats}
+        expert = {p.data_ptr() for b in model.expert for p in b.parameters()}
+        moved -= sum(v * (c.steps if k in expert else 1) for k, v in fp8_bytes.items())
     with kernels.reference_only(), FlopCounterMode(display=False, custom_mapping=FLOP_FORMULAS) as fc:
         step()
+    total = fc.get_total_flops()
+    low = fc.get_flop_counts().get("Global", {}).get(torch.ops.aten._scaled_mm, 0)
+    floor = (total - low) / (rates["bf16_TFLOPs"] * 1e9) + (low / (rates["fp8_TFLOPs"] * 1e9) if low else 0.0)
     return {
         "bytes_MB": moved / 1e6,
-        "GFLOP": fc.get_total_flops() / 1e9,
+        "GFLOP": total / 1e9,
+        "fp8_GFLOP": low / 1e9,
         "bytes_floor_ms": moved / (rates["copy_GBps"] * 1e6),
-        "flops_floor_ms": fc.get_total_flops() / (rates["bf16_TFLOPs"] * 1e9),
+        "flops_floor_ms": floor,
     }
 
 
-def bench(preset: str, n: int, reps: int, do_compile: bool, rates: dict, save: Callable[[dict], None]) -> dict:
+def bench(
+    preset: str,
+    n: int,
+    reps: int,
+    do_compile: bool,
+    rates: dict,
+    save: Callable[[dict], None],
+    precision: str = "native",
+    lean: bool = False,
+) -> dict:
     """One row: eager, reference and kernels graphs, floors and, with ``do_compile``, torch.compile.
     ``save`` gets the row before the compile (minutes at pi0's size), so a run stopped by a time
-    limit during it keeps the row's other figures."""
+    limit during it keeps the row's other figures. ``precision``: the model's
+    (``FlowPolicy.set_precision``; torch.compile runs the native step only); ``lean``: the kernels
+    graph, floors and the compile only."""
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = FlowPolicy(PRESETS[preset](TabletopConfig().vocabulary)).to(torch.bfloat16)
+    model.set_precision(precision)
     p = make_pipeline(model, n)
 
     def step() -> None:
         p.encode_observation()
         p.denoise()
 
-    rec: dict = {"preset": preset, "batch": n, "params_M": sum(x.numel() for x in model.parameters()) / 1e6}
+    rec: dict = {"preset": preset, "batch": n, "precision": precision}
+    rec["params_M"] = sum(x.numel() for x in model.parameters()) / 1e6
     t = time.perf_counter()
-    step()  # the first call compiles the Triton kernels it has not seen (cached on disk after)
+    step()  # the first call compiles the Triton kernels it has not seen (and quantises FP8 weights)
     torch.cuda.synchronize()
     rec["first_call_s"] = time.perf_counter() - t
-    rec["eager_ms"] = wall_ms(step, reps)
-    for name, mode in (("reference", kernels.reference_only), ("kernels", contextlib.nullcontext)):
+    if not lean:
+        rec["eager_ms"] = wall_ms(step, reps)
+    graphs = (("kernels", contextlib.nullcontext),)
+    if not lean:
+        graphs = (("reference", kernels.reference_only), *graphs)
+    for name, mode in graphs:
         with mode():
             rec[f"{name}_nodes"] = count_kernels(step)
             g = Graph(f"{preset}-step-{name}").bind(p.bufs)
@@ -168,10 +218,11 @@ def bench(preset: str, n: int, reps: int, do_compile: bool, rates: dict, save: C
             torch.cuda.synchronize()
             rec[f"{name}_capture_s"] = time.perf_counter() - t
         rec[f"{name}_graph_ms"] = wall_ms(lambda g=g: g.replay(n), reps)
-        if name == "kernels":
+        if name == "kernels" and not lean:
             rec["graph_top_kernels"] = graph_kernels(lambda g=g: g.replay(n), top=40)
         del g
-    for phase, fn in (("encode", p.encode_observation), ("denoise", p.denoise)):  # the step's two halves
+    phases = () if lean else (("encode", p.encode_observation), ("denoise", p.denoise))
+    for phase, fn in phases:  # the step's two halves
         g = Graph(f"{preset}-{phase}").bind(p.bufs)
         g.capture(n, fn)
         rec[f"{phase}_graph_ms"] = wall_ms(lambda g=g: g.replay(n), reps)
@@ -179,9 +230,11 @@ def bench(preset: str, n: int, reps: int, do_compile: bool, rates: dict, save: C
         del g
     rec["graph_chunks_per_s"] = n / rec["kernels_graph_ms"] * 1e3
     rec.update(floors(model, n, step, rates))
+    rec["floor_ratio"] = rec["kernels_graph_ms"] / rec["flops_floor_ms"]
     rec["launch_floor_ms"] = rec["kernels_nodes"] * rates["node_us"] / 1e3
-    rec["top_kernels"] = top_kernels(step)
-    if do_compile:
+    if not lean:
+        rec["top_kernels"] = top_kernels(step)
+    if do_compile and precision == "native":
         save(rec)
         with kernels.reference_only():
             fn = pure_step(model, p)
@@ -202,14 +255,24 @@ def main() -> None:
     ap.add_argument("--pi0-batches", type=int, nargs="*", default=[1])
     ap.add_argument("--exact", nargs="*", default=[], choices=EXACT, help="pi0-exact presets to run")
     ap.add_argument("--exact-batches", type=int, nargs="*", default=[1, 8, 64])
+    ap.add_argument("--runs", nargs="*", default=[], help="further preset:batch runs (e.g. lerobot_pi05:1)")
     ap.add_argument("--compile", nargs="*", default=["tiny:1", "tiny:256"], help="preset:batch pairs to compile")
+    ap.add_argument("--precision", nargs="+", default=["native"], choices=PRECISIONS, help="each run in each")
+    ap.add_argument("--lean", action="store_true", help="the kernels graph, floors and compile only")
     ap.add_argument("--reps", type=int, default=50)
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_policy.py measures GPU latency: run it on a machine with a CUDA GPU")
+    if "fp8" in args.precision and not fp8.supported("cuda"):
+        raise SystemExit("--precision fp8 needs an FP8 GPU (compute capability 8.9 or later)")
     runs = [("tiny", n) for n in args.tiny_batches] + [("pi0", n) for n in args.pi0_batches]
     runs += [(preset, n) for preset in args.exact for n in args.exact_batches]
-    rates = gpu_rates()
+    for run in args.runs:
+        preset, _, n = run.partition(":")
+        if preset not in PRESETS or not n.isdigit():
+            raise SystemExit(f"--runs takes preset:batch with a preset of {sorted(PRESETS)}, got {run!r}")
+        runs.append((preset, int(n)))
+    rates = {**gpu_rates(), "fp8_TFLOPs": fp8_rate()}
     print("rates", json.dumps(rates), flush=True)
     rows: list[dict] = []
     result = {**provenance(), "dtype": "bfloat16", "rates": rates, "rows": rows}
@@ -220,30 +283,35 @@ def main() -> None:
         out = {**result, "rows": rows + ([partial] if partial is not None else [])}
         atomic_write(args.out, lambda f: f.write(json.dumps(out, indent=2).encode()))
 
-    for preset, n in tqdm(runs, desc="policy batches", unit="run"):
+    for (preset, n), precision in tqdm(
+        [(run, prec) for run in runs for prec in args.precision], desc="policy batches", unit="run"
+    ):
         reps = args.reps if preset == "tiny" else max(5, args.reps // 5)  # pi0-sized steps take ms
-        rows.append(bench(preset, n, reps, f"{preset}:{n}" in args.compile, rates, save))
+        compile_it = f"{preset}:{n}" in args.compile
+        rows.append(bench(preset, n, reps, compile_it, rates, save, precision, args.lean))
         torch.cuda.empty_cache()
         print(json.dumps(rows[-1]), flush=True)
         save()
     print(f"\n{result['gpu']} | torch {result['torch']} | commit {result['commit']} | bf16 | median ms per step")
     print(
         f"rates: copy {rates['copy_GBps']:.0f} GB/s, bf16 {rates['bf16_TFLOPs']:.0f} TFLOP/s, "
-        f"{rates['node_us']:.2f} us per graph node"
+        f"fp8 {rates['fp8_TFLOPs']:.0f} TFLOP/s, {rates['node_us']:.2f} us per graph node"
     )
     print(
-        "preset | batch | eager | ref graph (nodes) | kernels graph (nodes) | compile | capture s | "
-        "floor bytes/flops/launch ms | chunks/s"
+        "preset | batch | precision | eager | ref graph (nodes) | kernels graph (nodes) | compile | capture s | "
+        "floor bytes/flops/launch ms | graph/flop floor | chunks/s"
     )
     for r in rows:
         comp = f"{r['compile_ms']:7.2f}" if "compile_ms" in r else "      -"
+        eager = f"{r['eager_ms']:6.1f}" if "eager_ms" in r else "     -"
+        ref = f"{r['reference_graph_ms']:7.3f} ({r['reference_nodes']:5d})" if "reference_graph_ms" in r else "  -"
         print(
-            f"{r['preset']:>6} | {r['batch']:5d} | {r['eager_ms']:6.1f} | {r['reference_graph_ms']:7.3f} "
-            f"({r['reference_nodes']:5d}) | {r['kernels_graph_ms']:7.3f} ({r['kernels_nodes']:5d}) | {comp} | "
-            f"{r['kernels_capture_s']:5.2f} | {r['bytes_floor_ms']:.3f}/{r['flops_floor_ms']:.3f}/"
-            f"{r['launch_floor_ms']:.3f} | {r['graph_chunks_per_s']:9.0f}"
+            f"{r['preset']:>12} | {r['batch']:5d} | {r['precision']:>6} | {eager} | {ref} | "
+            f"{r['kernels_graph_ms']:7.3f} ({r['kernels_nodes']:5d}) | {comp} | {r['kernels_capture_s']:5.2f} | "
+            f"{r['bytes_floor_ms']:.3f}/{r['flops_floor_ms']:.3f}/{r['launch_floor_ms']:.3f} | "
+            f"{r['floor_ratio']:5.2f} | {r['graph_chunks_per_s']:9.0f}"
         )
-    for r in rows:
+    for r in (r for r in rows if "graph_top_kernels" in r):
         print(
             f"top kernels in the graph, {r['preset']} batch {r['batch']} (encode {r['encode_graph_ms']:.3f} ms, "
             f"denoise {r['denoise_graph_ms']:.3f} ms apart; us marginal, us busy, calls):"

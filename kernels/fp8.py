@@ -1,0 +1,206 @@
+"""FP8 (e4m3) projections: weights quantised per output channel, activations per token.
+
+A weight ``W`` (n, k) becomes :class:`Fp8Weight`: e4m3 values and one float32 scale per output
+channel (row), ``W ~ data * scale[:, None]`` with ``scale = max|W[i]| / 448`` (448: e4m3's
+largest finite value), so each row uses e4m3's whole range. An activation ``x`` (m, k) is
+quantised the same way per token (row) when the projection runs (:func:`quantize_rows`: dynamic
+scales, nothing calibrated), and the product is
+
+    y[i, j] = (sum_k xq[i, k] * wq[j, k]) * sx[i] * sw[j] (+ bias[j]), rounded once,
+
+one Hopper/Ada FP8 tensor-core GEMM with row-wise scales in its epilogue: ``torch._scaled_mm``
+(capturable in a CUDA graph). Its layout rules, checked here: the first operand row-major, the
+second column-major (a row-major weight's transpose), ``k`` and ``n`` multiples of 16, scales
+float32 of shapes (m, 1) and (1, n), bf16 output. Where that GEMM cannot run (a CPU, a GPU below
+compute capability 8.9, an activation that is not bf16) :func:`linear` computes the same
+quantised product from the dequantised operands in float32 (:func:`linear_emulated`), so every
+machine runs the FP8 numerics; the two differ only in summation order and the final rounding.
+
+:func:`quantize_rows` is one Triton kernel on CUDA (a row's max, its scale and its e4m3 values
+in one pass; float32 math that rounds as the torch reference does, so the two agree to the bit).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from flashrt.kernels.backend import check_layout, tl, triton, use_triton
+
+VERSION = "1"
+"""Bump when the FP8 numerics change (the quantisation, or which projections it takes):
+deployment digests of FP8 policies name it."""
+E4M3 = torch.float8_e4m3fn
+E4M3_MAX = 448.0
+"""e4m3's largest finite magnitude: a row's largest element maps onto it."""
+MIN_AMAX = 1e-12
+"""A row of zeros (or nearly) gets this amax instead of 0, so its scale is never 0 (its values
+quantise to 0 all the same)."""
+ALIGN = 16
+"""``torch._scaled_mm`` takes ``k`` and ``n`` in multiples of 16."""
+
+
+class Fp8Weight(NamedTuple):
+    """A weight (n, k) quantised per output channel: ``data`` (n, k) e4m3 (row-major, so its
+    transpose is the column-major operand ``torch._scaled_mm`` takes) and ``scale`` (n,) float32."""
+
+    data: torch.Tensor
+    scale: torch.Tensor
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """``data * scale[:, None]`` (computed in float32) as ``dtype``."""
+        return (self.data.float() * self.scale[:, None]).to(dtype)
+
+
+def supported(device: torch.device | str) -> bool:
+    """Whether ``device`` runs FP8 tensor-core GEMMs (``torch._scaled_mm`` with row-wise scales):
+    a CUDA GPU of compute capability 8.9 (Ada) or later."""
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available() or not hasattr(torch, "_scaled_mm"):
+        return False
+    return torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def _amax_scale(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row (last dim) ``448 / amax`` and ``amax / 448``, float32, each rounded once."""
+    amax = x.abs().amax(-1, keepdim=True).float().clamp_min(MIN_AMAX)
+    return E4M3_MAX / amax, amax / E4M3_MAX
+
+
+def quantize_weight(weight: torch.Tensor, name: str = "weight") -> Fp8Weight:
+    """Quantise ``weight`` (n, k) per output channel to e4m3 (:class:`Fp8Weight`).
+
+    Args:
+        weight: a finite floating-point matrix whose ``n`` and ``k`` are multiples of 16.
+        name: what the error messages call it (e.g. ``"prefix.3.gate_up"``).
+
+    Returns:
+        The e4m3 values (each row's largest magnitude maps onto 448) and the per-row scales.
+
+    Raises:
+        ValueError: ``weight`` is not a 2-D floating-point matrix, has a dimension that is not a
+            multiple of 16, or holds NaN or infinity.
+    """
+    if weight.dim() != 2 or not weight.is_floating_point():
+        raise ValueError(f"quantize_weight: {name} must be a 2-D floating-point matrix, got {weight.dtype} "
+                         f"{tuple(weight.shape)}")  # fmt: skip
+    n, k = weight.shape
+    if n % ALIGN or k % ALIGN:
+        raise ValueError(
+            f"quantize_weight: {name} is ({n}, {k}); FP8 GEMMs (torch._scaled_mm) take both dimensions in "
+            f"multiples of {ALIGN}: keep this projection in bf16 or pad it"
+        )
+    if not torch.isfinite(weight).all():
+        raise ValueError(f"quantize_weight: {name} holds NaN or infinity; quantise finite weights only")
+    inv, scale = _amax_scale(weight.detach())
+    data = (weight.detach().float() * inv).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
+    return Fp8Weight(data.contiguous(), scale[:, 0].contiguous())
+
+
+def quantize_rows_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Torch reference of :func:`quantize_rows`."""
+    inv, scale = _amax_scale(x)
+    return (x.float() * inv).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3), scale
+
+
+if triton is not None:
+
+    @triton.jit
+    def _quantize_rows_kernel(x, q, scale, K, s_x, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        ks = tl.arange(0, BLOCK)
+        v = tl.load(x + row * s_x + ks, mask=ks < K, other=0.0).to(tl.float32)
+        amax = tl.maximum(tl.max(tl.abs(v), axis=0), 1e-12)  # MIN_AMAX
+        inv = tl.div_rn(448.0, amax)  # rounded as torch divides
+        y = tl.minimum(tl.maximum(v * inv, -448.0), 448.0)
+        tl.store(q + row * K + ks, y.to(tl.float8e4nv), mask=ks < K)
+        tl.store(scale + row, tl.div_rn(amax, 448.0))
+
+
+def quantize_rows_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`quantize_rows` as one Triton kernel (a program a row)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    m, k = x2.shape
+    q = torch.empty((m, k), dtype=E4M3, device=x.device)
+    scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
+    if m:
+        block = triton.next_power_of_2(k)
+        _quantize_rows_kernel[(m,)](x2, q, scale, k, x2.stride(0), BLOCK=block, num_warps=min(16, max(1, block // 256)))
+    return q.view(*x.shape), scale.view(*x.shape[:-1], 1)
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantise activations ``x`` (..., k) per row (token) to e4m3 with dynamic scales:
+    ``(q, scale)``, q (..., k) e4m3 and scale (..., 1) float32, ``x ~ q * scale``.
+
+    Raises:
+        ValueError: ``x`` is not floating point, or its last dimension is not contiguous.
+    """
+    if not x.is_floating_point() or x.dtype == E4M3:
+        raise ValueError(f"quantize_rows: x must be bf16/fp16/fp32 activations, got {x.dtype}")
+    check_layout("quantize_rows", "x", x, unit=(-1,))
+    if use_triton(x) and x.shape[-1] <= 1 << 16:
+        return quantize_rows_triton(x)
+    return quantize_rows_reference(x)
+
+
+def _check(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None) -> None:
+    if torch.is_grad_enabled() and x.requires_grad:
+        raise ValueError(
+            "fp8 linear: FP8 projections are for inference (no gradient flows through e4m3 rounding or to the "
+            "weights): run under torch.no_grad(), or train with set_precision('native')"
+        )
+    n, k = weight.data.shape
+    if weight.data.dtype != E4M3 or weight.scale.shape != (n,) or weight.scale.dtype != torch.float32:
+        raise ValueError(
+            f"fp8 linear: the weight must be e4m3 (n, k) with float32 (n,) scales, got {weight.data.dtype} "
+            f"{tuple(weight.data.shape)} and {weight.scale.dtype} {tuple(weight.scale.shape)}; use quantize_weight"
+        )
+    if x.shape[-1] != k:
+        raise ValueError(f"fp8 linear: x's last dim {x.shape[-1]} must match the weight's k ({n}, {k})")
+    if bias is not None and bias.shape != (n,):
+        raise ValueError(f"fp8 linear: bias must be ({n},), got {tuple(bias.shape)}")
+
+
+def linear_emulated(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`linear`'s product from the dequantised operands: ``x`` quantised per row as the
+    GEMM's input is, both sides dequantised, multiplied in float32, the bias added, rounded once
+    to x's dtype. What runs where the FP8 GEMM cannot (and its reference)."""
+    _check(x, weight, bias)
+    q, s = quantize_rows(x)
+    out = (q.float() * s) @ weight.dequantize().t()
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x.dtype)
+
+
+def runs_scaled_mm(x: torch.Tensor) -> bool:
+    """Whether :func:`linear` on ``x`` takes the FP8 tensor-core GEMM: bf16 activations on a
+    GPU that has it (:func:`supported`)."""
+    return x.dtype == torch.bfloat16 and supported(x.device)
+
+
+def linear(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ W^T (+ bias)`` with ``W`` quantised per output channel and ``x`` (..., k) quantised
+    per token (see the module docstring) -> (..., n) in x's dtype. One ``torch._scaled_mm`` on
+    an FP8 GPU for bf16 ``x`` (:func:`runs_scaled_mm`), :func:`linear_emulated` elsewhere.
+
+    Raises:
+        ValueError: shapes that do not fit, a weight that is not an :class:`Fp8Weight`, or ``x``
+            that autograd records through (FP8 is for inference).
+    """
+    if not runs_scaled_mm(x):
+        return linear_emulated(x, weight, bias)
+    _check(x, weight, bias)
+    q, s = quantize_rows(x.reshape(-1, x.shape[-1]))
+    n = weight.data.shape[0]
+    out = torch._scaled_mm(
+        q,
+        weight.data.t(),  # column-major (k, n)
+        scale_a=s,
+        scale_b=weight.scale.view(1, n),
+        bias=None if bias is None else bias.to(torch.bfloat16),
+        out_dtype=torch.bfloat16,
+    )
+    return out.view(*x.shape[:-1], n)

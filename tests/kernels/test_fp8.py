@@ -1,0 +1,158 @@
+"""FP8 projections (kernels.fp8): the quantisation on any machine, the e4m3 GEMM on an FP8 GPU."""
+
+import pytest
+import torch
+
+import flashrt.kernels.fp8 as f8
+
+HALF_ULP = 2.0**-4
+"""e4m3 keeps 3 mantissa bits: rounding moves a normal value by at most 2^-4 of itself."""
+SUBNORMAL_STEP = 2.0**-9
+"""e4m3's subnormal spacing (in units of the scale): below 2^-6 values are rounded to this grid."""
+
+needs_fp8 = pytest.mark.skipif(
+    not f8.supported("cuda" if torch.cuda.is_available() else "cpu"),
+    reason="needs an FP8 GPU (compute capability >= 8.9)",
+)
+
+
+def rows(n: int, k: int, seed: int = 0) -> torch.Tensor:
+    """Rows of very different magnitudes (1e-3 to 1e3), as channels of a real weight differ."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, k, generator=g) * torch.logspace(-3, 3, n)[:, None]
+
+
+def test_weight_round_trip_per_output_channel():
+    w = rows(32, 64)
+    q = f8.quantize_weight(w)
+    assert q.data.dtype == torch.float8_e4m3fn and q.data.shape == (32, 64) and q.scale.shape == (32,)
+    torch.testing.assert_close(q.scale, w.abs().amax(1) / 448.0, rtol=1e-6, atol=0)  # one scale per row
+    assert torch.equal(q.data.float().abs().amax(1), torch.full((32,), 448.0))  # each row spans e4m3's range
+    err = (q.dequantize() - w).abs()
+    bound = torch.maximum(HALF_ULP * w.abs(), SUBNORMAL_STEP / 2 * q.scale[:, None])
+    assert (err <= bound * (1 + 1e-6)).all()
+    # per channel: the smallest row (1e-3) is as accurate, relative to itself, as the largest (1e3)
+    rel = (q.dequantize() - w).norm(dim=1) / w.norm(dim=1)
+    assert rel.max() < 0.05
+    # the mutation: one scale for the whole matrix (per tensor) loses the small rows
+    per_tensor = (w / (w.abs().max() / 448)).to(torch.float8_e4m3fn).float() * (w.abs().max() / 448)
+    assert ((per_tensor - w).norm(dim=1) / w.norm(dim=1)).max() > 0.5
+
+
+def test_activation_rows_saturate_at_448_and_keep_their_sign():
+    x = rows(16, 48, seed=1)
+    x[3, 5] = 1e30  # an outlier takes its row's scale; the rest of that row underflows, finitely
+    x[4] = 0.0  # a zero row gets a nonzero scale and zeros
+    q, s = f8.quantize_rows(x)
+    qf = q.float()
+    assert torch.isfinite(qf).all() and qf.abs().max() == 448.0
+    assert torch.equal(qf.abs().amax(1)[[0, 1, 2, 3, 5]], torch.full((5,), 448.0))
+    assert s.shape == (16, 1) and (s > 0).all() and not qf[4].any()
+    assert torch.equal(torch.sign(qf[qf != 0]), torch.sign(x[qf != 0]))
+    # saturating: a row max whose float32 ``amax * (448 / amax)`` rounds past 448 still maps onto 448
+    amax = torch.tensor([[3.756744861602783, -1.0, 2.0]])
+    assert (amax[0, 0] * (448.0 / amax[0, 0])).item() > 448.0
+    edge, _ = f8.quantize_rows(amax)
+    assert edge.float()[0, 0].item() == 448.0
+
+
+def test_bad_input_is_refused_with_the_fix():
+    with pytest.raises(ValueError, match="multiples of 16"):
+        f8.quantize_weight(torch.randn(24, 588), "patch_embed")
+    with pytest.raises(ValueError, match="2-D floating-point"):
+        f8.quantize_weight(torch.randn(16))
+    with pytest.raises(ValueError, match="2-D floating-point"):
+        f8.quantize_weight(torch.ones(16, 16, dtype=torch.int32))
+    w = torch.randn(16, 32)
+    w[2, 3] = float("nan")
+    with pytest.raises(ValueError, match="NaN or infinity"):
+        f8.quantize_weight(w)
+    with pytest.raises(ValueError, match="bf16/fp16/fp32 activations"):
+        f8.quantize_rows(torch.ones(2, 16, dtype=torch.int64))
+    q = f8.quantize_weight(torch.randn(16, 32))
+    with pytest.raises(ValueError, match="must match the weight's k"):
+        f8.linear(torch.randn(3, 48), q)
+    with pytest.raises(ValueError, match="use quantize_weight"):
+        f8.linear(torch.randn(3, 32), f8.Fp8Weight(q.data.float(), q.scale))
+    with pytest.raises(ValueError, match="bias must be"):
+        f8.linear(torch.randn(3, 32), q, torch.zeros(8))
+    with pytest.raises(ValueError, match="for inference"):
+        f8.linear(torch.randn(3, 32, requires_grad=True), q)
+
+
+def test_emulated_linear_is_the_quantised_product():
+    g = torch.Generator().manual_seed(2)
+    x, w, b = torch.randn(2, 5, 64, generator=g), torch.randn(32, 64, generator=g) / 8, torch.randn(32, generator=g)
+    q = f8.quantize_weight(w)
+    xq, xs = f8.quantize_rows(x)
+    want = (xq.float() * xs) @ (q.data.float() * q.scale[:, None]).t() + b
+    torch.testing.assert_close(f8.linear(x, q, b), want, rtol=1e-6, atol=1e-6)
+    exact = x @ w.t() + b
+    assert ((f8.linear(x, q, b) - exact).norm() / exact.norm()).item() < 0.06  # e4m3 on both sides
+
+
+def test_the_layout_and_scales_are_those_scaled_mm_reads():
+    """torch's own ``_scaled_mm`` (its CPU implementation, where this torch has one) with the
+    operands as :func:`fp8.linear` passes them computes the emulated product; with the weight
+    scales of another channel order it does not."""
+    g = torch.Generator().manual_seed(3)
+    x, w = torch.randn(7, 64, generator=g), torch.randn(48, 64, generator=g) / 8
+    q = f8.quantize_weight(w)
+    xq, xs = f8.quantize_rows(x)
+    try:
+        got = torch._scaled_mm(xq, q.data.t(), scale_a=xs, scale_b=q.scale.view(1, -1), out_dtype=torch.bfloat16)
+    except (RuntimeError, NotImplementedError) as e:
+        pytest.skip(f"this torch has no CPU _scaled_mm: {e}")
+    want = f8.linear_emulated(x, q).bfloat16()
+    torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=1e-2)
+    wrong = torch._scaled_mm(xq, q.data.t(), scale_a=xs, scale_b=q.scale.flip(0).view(1, -1), out_dtype=torch.bfloat16)
+    assert not torch.allclose(wrong.float(), want.float(), rtol=1e-1, atol=1e-1)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_quantize_rows_kernel_matches_the_reference_bit_for_bit(dtype):
+    """On the GPU (Triton's CPU interpreter rounds some values to e4m3 wrongly, so it is not
+    a witness here): the kernel's scales and e4m3 bytes are the reference's."""
+    g = torch.Generator(device="cuda").manual_seed(4)
+    for shape in ((3, 7, 64), (50, 1024), (5, 4304), (2, 16384)):
+        x = (torch.randn(*shape, device="cuda", generator=g) * 3).to(dtype)
+        x[0, ..., 0] = 0.0
+        x[-1] = 0.0
+        assert f8.use_triton(x)
+        q, s = f8.quantize_rows(x)
+        rq, rs = f8.quantize_rows_reference(x)
+        assert q.shape == x.shape and s.shape == (*x.shape[:-1], 1)
+        assert torch.equal(s, rs)
+        assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8))
+
+
+@pytest.mark.cuda
+@needs_fp8
+def test_scaled_mm_path_matches_the_emulation_and_captures():
+    """bf16 activations on an FP8 GPU take one ``torch._scaled_mm``: it equals the emulated
+    product to bf16 rounding (both round once; the sums differ in order), at pi0's shapes and at
+    one row; a graph replays it. Mutation: one output channel's scale x2 is caught."""
+    g = torch.Generator(device="cuda").manual_seed(5)
+    for m, k, n in ((1, 1024, 2560), (50, 4096, 1024), (816, 2048, 32768)):
+        x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
+        w = torch.randn(n, k, device="cuda", generator=g) / k**0.5
+        b = torch.randn(n, device="cuda", generator=g).bfloat16()
+        q = f8.quantize_weight(w)
+        assert f8.runs_scaled_mm(x)
+        got, want = f8.linear(x, q, b), f8.linear_emulated(x.float(), q, b.float())
+        assert got.dtype == torch.bfloat16
+        torch.testing.assert_close(got.float(), want, rtol=1.6e-2, atol=1e-2)
+        bad = f8.Fp8Weight(q.data, q.scale.clone())
+        bad.scale[n // 3] *= 2
+        err = (f8.linear(x, bad, b).float() - want)[:, n // 3].abs().max()
+        assert err > 10 * 1e-2
+    x = torch.randn(8, 1024, device="cuda", generator=g).bfloat16()
+    q = f8.quantize_weight(torch.randn(2560, 1024, device="cuda", generator=g) / 32)
+    eager = f8.linear(x, q)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = f8.linear(x, q)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)
