@@ -16,18 +16,15 @@
 - :mod:`flashrt_gym.sims.gym_external`: :class:`GymnasiumMujocoSim`, any Gymnasium MuJoCo env as a
   batched external simulator (bring your own; not registered here).
 
-Importing this package registers ``FlashRT-MuJoCoPush`` (the CPU simulator) and
-``FlashRT-MuJoCoWarpPush`` (MuJoCo Warp) with Gymnasium (:func:`flashrt_gym.register_simulator`);
-``mujoco``, ``warp`` and ``mujoco_warp`` are imported only when a simulator is made.
+The factories below are the simulators of ``FlashRT-MuJoCoPush`` (the CPU simulator),
+``FlashRT-MuJoCoWarpPush`` (MuJoCo Warp) and ``FlashRT-MetaWorld-*`` (:mod:`flashrt_gym.registration`
+registers them); ``mujoco``, ``warp``, ``mujoco_warp`` and ``metaworld`` are imported only when a
+simulator is made.
 """
 
-import functools
 import importlib
 from collections.abc import Sequence
 from typing import Any
-
-from flashrt_gym import register_simulator
-from flashrt_gym.sims.metaworld_tasks import INSTRUCTIONS as METAWORLD_TASKS
 
 _LAZY = {
     "MujocoPush": "flashrt_gym.sims.mujoco_cpu",
@@ -69,11 +66,5 @@ def metaworld(
     ``tasks`` (``"MT10"`` or task names, in runs of ``block`` slots) stepped by ``threads`` CPU threads."""
     return __getattr__("MetaWorld")(num_envs, tasks, threads, image_size, camera, block)
 
-
-register_simulator("FlashRT-MuJoCoPush", mujoco_push)
-register_simulator("FlashRT-MuJoCoWarpPush", warp_push)
-register_simulator("FlashRT-MetaWorld-MT10-v0", functools.partial(metaworld, tasks="MT10"))
-for _task in METAWORLD_TASKS:  # FlashRT-MetaWorld-reach-v0 runs Meta-World's reach-v3 (MT1)
-    register_simulator(f"FlashRT-MetaWorld-{_task.removesuffix('-v3')}-v0", functools.partial(metaworld, tasks=_task))
 
 __all__ = ["metaworld", "mujoco_push", "warp_push", *_LAZY]
