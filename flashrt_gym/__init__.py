@@ -13,9 +13,8 @@ tabletop) with Gymnasium:
 from __future__ import annotations
 
 from flashrt_gym.env import FlashRTVectorEnv
-from flashrt_gym.external import ExternalSimulator
 from flashrt_gym.registration import register_builtins, register_simulator
-from flashrt_gym.simulator import Simulator
+from flashrt_gym.simulator import ExternalSimulator, Simulator
 from flashrt_gym.single import FlashRTEnv
 
 __version__ = "0.1.0"  # the distribution's version too (pyproject reads it from here)

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from flashrt_gym.engine import Engine
-from flashrt_gym.tasks import TabletopConfig
+from flashrt_gym.sims.tabletop import TabletopConfig
 
 
 def choose(name: str, value: Any, options: Sequence[Any]) -> Any:

@@ -24,10 +24,9 @@ from flashrt_gym import arguments
 from flashrt_gym.assets import TINY
 from flashrt_gym.devices import policy_dtype, resolve_device
 from flashrt_gym.engine import Engine, StepConfig
-from flashrt_gym.external import ExternalSimulator
-from flashrt_gym.simulator import Simulator
+from flashrt_gym.sims.tabletop import Tabletop, TabletopConfig
+from flashrt_gym.simulator import ExternalSimulator, Simulator
 from flashrt_gym.starts import StartCache
-from flashrt_gym.tasks import Tabletop, TabletopConfig
 
 OBS_MODES = ("state", "features", "rgb", "dict")
 ACTION_MODES = ("noise", "residual")
@@ -88,7 +87,7 @@ class FlashRTVectorEnv(VectorEnv):
     n_action_steps: actions of each chunk executed per step. max_episode_steps: chunks per episode.
     task: the built-in tabletop's :class:`TabletopConfig` (or a dict of its fields).
     simulator: a callable that takes ``num_envs`` and returns a fresh simulator, in-graph
-    (:class:`~flashrt_gym.simulator.Simulator`) or external (:class:`~flashrt_gym.external.ExternalSimulator`)
+    (:class:`~flashrt_gym.simulator.Simulator`) or external (:class:`~flashrt_gym.simulator.ExternalSimulator`)
     (default: the tabletop of ``task``). weights: a policy folder (default: the simulator's
     ``pretrained_weights`` where it names one, else the shipped tabletop ``tiny`` policy).
     device: ``"auto"`` (CUDA when present), ``"cpu"`` or ``"cuda"``. graphs: capture the step as a

@@ -19,10 +19,9 @@ from typing import Any
 import gymnasium
 
 from flashrt_gym.env import MAX_EPISODE_STEPS, FlashRTVectorEnv
-from flashrt_gym.external import ExternalSimulator, check_simulator
 from flashrt_gym.sims import metaworld, mujoco_push, warp_push
 from flashrt_gym.sims.metaworld_tasks import INSTRUCTIONS as METAWORLD_TASKS
-from flashrt_gym.simulator import Simulator
+from flashrt_gym.simulator import ExternalSimulator, Simulator, check_simulator
 from flashrt_gym.single import FlashRTEnv
 
 
@@ -33,7 +32,7 @@ def register_simulator(env_id: str, simulator: Callable[[], Simulator | External
     num_envs=N)`` the :class:`FlashRTVectorEnv`; ``defaults`` are env arguments either may override.
 
     The protocol is checked as far as it can be now: a class (or a ``functools.partial`` of one)
-    must define every method of the protocol it aims at (:func:`flashrt_gym.external.check_simulator`).
+    must define every method of the protocol it aims at (:func:`flashrt_gym.simulator.check_simulator`).
     Its data members, and everything of a plain factory function, are checked when an env makes the
     simulator, before anything else reads it.
 

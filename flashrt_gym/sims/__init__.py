@@ -1,25 +1,18 @@
-"""Simulators on MuJoCo: the tabletop push task, Meta-World, and any Gymnasium MuJoCo env.
+"""The simulators that ship with FlashRT-Gym, each wing in its own folder or module:
 
-- :mod:`flashrt_gym.sims.push`: the task's configuration, the scene's checked layout and the task
-  logic (draws, rewards, success, observation, scripted expert) every backend shares.
-- :mod:`flashrt_gym.sims.mujoco_cpu`: :class:`MujocoPush`, MuJoCo's C library on the CPU, an
-  external simulator (``get_state`` / ``set_state`` of whole slots as bytes).
-- :mod:`flashrt_gym.sims.mujoco_warp`: :class:`WarpPush`, MuJoCo Warp on a GPU, an in-graph
-  simulator whose ticks are recorded into the env's step graph.
-- :mod:`flashrt_gym.sims.render`: a batched top-down renderer of the scene's primitive geoms.
-- :mod:`flashrt_gym.sims.demos`: scripted-expert demonstrations of the push task.
+- :mod:`flashrt_gym.sims.tabletop`: the built-in tabletop, a pure-torch in-graph simulator;
+- :mod:`flashrt_gym.sims.push`: the push task on MuJoCo, on the CPU (:class:`MujocoPush`, external)
+  and on a GPU (:class:`WarpPush`, MuJoCo Warp, in-graph);
 - :mod:`flashrt_gym.sims.metaworld_cpu`: :class:`MetaWorld`, Meta-World's tasks on MuJoCo's C
-  library, an external simulator whose rows :mod:`flashrt_gym.sims.metaworld_state` finds by rule;
-  registered as ``FlashRT-MetaWorld-<task>-v0`` (MT1) and ``FlashRT-MetaWorld-MT10-v0``
-  (``metaworld`` is imported only when one is made); :mod:`flashrt_gym.sims.metaworld_demos`: its
-  scripted-expert demonstrations.
-- :mod:`flashrt_gym.sims.gym_external`: :class:`GymnasiumMujocoSim`, any Gymnasium MuJoCo env as a
-  batched external simulator (bring your own; not registered here).
+  library, an external simulator whose rows :mod:`flashrt_gym.sims.metaworld_state` finds by rule
+  (the tasks and their instructions: :mod:`flashrt_gym.sims.metaworld_tasks`);
+- :mod:`flashrt_gym.sims.gymnasium_mujoco`: :class:`GymnasiumMujocoSim`, any Gymnasium MuJoCo env as
+  a batched external simulator (bring your own; not registered).
 
-The factories below are the simulators of ``FlashRT-MuJoCoPush`` (the CPU simulator),
-``FlashRT-MuJoCoWarpPush`` (MuJoCo Warp) and ``FlashRT-MetaWorld-*`` (:mod:`flashrt_gym.registration`
-registers them); ``mujoco``, ``warp``, ``mujoco_warp`` and ``metaworld`` are imported only when a
-simulator is made.
+The factories below are the simulators of ``FlashRT-MuJoCoPush``, ``FlashRT-MuJoCoWarpPush`` and
+``FlashRT-MetaWorld-*`` (:mod:`flashrt_gym.registration` registers them); ``mujoco``, ``warp``,
+``mujoco_warp`` and ``metaworld`` are imported only when a simulator is made. Demonstrations of
+these tasks are in :mod:`flashrt_gym.demos`.
 """
 
 import importlib
@@ -27,13 +20,13 @@ from collections.abc import Sequence
 from typing import Any
 
 _LAZY = {
-    "MujocoPush": "flashrt_gym.sims.mujoco_cpu",
-    "WarpPush": "flashrt_gym.sims.mujoco_warp",
+    "MujocoPush": "flashrt_gym.sims.push.mujoco_cpu",
+    "WarpPush": "flashrt_gym.sims.push.mujoco_warp",
     "MetaWorld": "flashrt_gym.sims.metaworld_cpu",
-    "PushConfig": "flashrt_gym.sims.push",
-    "PushTask": "flashrt_gym.sims.push",
-    "SCENE": "flashrt_gym.sims.push",
-    "load_scene": "flashrt_gym.sims.push",
+    "PushConfig": "flashrt_gym.sims.push.task",
+    "PushTask": "flashrt_gym.sims.push.task",
+    "SCENE": "flashrt_gym.sims.push.task",
+    "load_scene": "flashrt_gym.sims.push.task",
 }
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from flashrt_gym import FlashRTVectorEnv
-from flashrt_gym.external import ExternalSimulator
+from flashrt_gym.simulator import ExternalSimulator
 from tests.flashrt_gym.host_tabletop import HostTabletop
 
 

@@ -1,10 +1,8 @@
 """The learner seam: a second device learner (tests/flashrt_gym/cem_learner.py and its YAML,
 nothing else) is checked, budgeted, trained, saved and loaded back by the same training code as
-FastSAC; a class that is not a learner is refused; the old module paths still import, warning."""
+FastSAC; a class that is not a learner is refused."""
 
-import importlib
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -58,28 +56,3 @@ def test_a_class_that_is_not_a_learner_is_refused_naming_what_it_lacks():
     assert missing_members(half) == [m for m in MEMBERS if m not in ("act", "store")]
     with pytest.raises(ConfigError, match=r"config key 'agent._target_': .*CEMConfig is neither .* it defines config_"):
         check(config("agent=cem", "agent._target_=tests.flashrt_gym.cem_learner.CEMConfig"))
-
-
-@pytest.mark.parametrize(
-    ("old", "new"),
-    [
-        ("flashrt_gym.fast_sac", "flashrt_gym.learners.fast_sac"),
-        ("flashrt_gym.graph_sac", "flashrt_gym.learners.graph_sac"),
-        ("flashrt_gym.fast_training", "flashrt_gym.training.device_loop"),
-    ],
-)
-def test_old_module_paths_import_the_new_modules_with_a_deprecation_warning(monkeypatch, old, new):
-    monkeypatch.delitem(sys.modules, old, raising=False)
-    with pytest.warns(DeprecationWarning, match=f"{old} has moved to {new}"):
-        module = importlib.import_module(old)
-    assert module is importlib.import_module(new)
-
-
-def test_names_moved_out_of_training_still_resolve_with_a_deprecation_warning():
-    import flashrt_gym.evaluation
-    import flashrt_gym.training
-
-    with pytest.warns(DeprecationWarning, match="flashrt_gym.training.evaluate has moved to flashrt_gym.evaluation"):
-        assert flashrt_gym.training.evaluate is flashrt_gym.evaluation.evaluate
-    with pytest.raises(AttributeError, match="has no attribute 'nope'"):
-        flashrt_gym.training.nope  # noqa: B018

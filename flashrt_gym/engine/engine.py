@@ -34,8 +34,8 @@ from flashrt.kernels import rng
 from flashrt.policies import FlowPolicy, InstructionTable, PolicyConfig, PolicyPipeline, deployment_digest, policy_specs
 from flashrt.runtime import BufferSpec, Capsule, Graph, scratch, slot
 from flashrt.runtime.views import bind_views
-from flashrt_gym.external import ExternalSimulator, Mirror, check_simulator, is_external
-from flashrt_gym.simulator import Simulator
+from flashrt_gym.engine.host_link import Mirror
+from flashrt_gym.simulator import ExternalSimulator, Simulator, check_simulator, is_external
 
 ObsForm = Literal["state", "features", "rgb"]
 OBS_FORMS: tuple[ObsForm, ...] = ("state", "features", "rgb")
