@@ -22,6 +22,7 @@ buffers) before its first byte is copied.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -34,7 +35,7 @@ from flashrt.kernels import rng
 from flashrt.policies import FlowPolicy, InstructionTable, PolicyConfig, PolicyPipeline, deployment_digest, policy_specs
 from flashrt.runtime import BufferSpec, Capsule, Graph, scratch, slot
 from flashrt.runtime.views import bind_views
-from flashrt_gym.engine.host_link import Mirror
+from flashrt_gym.engine.host_link import NO_HOST_LINK, HostLink, Mirror
 from flashrt_gym.simulator import ExternalSimulator, Simulator, check_simulator, is_external
 
 ObsForm = Literal["state", "features", "rgb"]
@@ -134,6 +135,9 @@ class Engine:
         c = model.cfg
         check_simulator(sim)
         self.mirror = Mirror(sim) if is_external(sim) else None
+        """The external simulator's device mirror, or None for an in-graph simulator."""
+        self.link: HostLink = self.mirror or NO_HOST_LINK
+        """Where each verb hands off to the simulator's host side (nothing for an in-graph one)."""
         sim = self.mirror or sim
         _check_fit(sim, c, cfg)
         self.sim, self.cfg = sim, cfg
@@ -161,6 +165,11 @@ class Engine:
         self.output_layout = {n: (self.bufs.placements[n].offset - lo, self.bufs.placements[n].spec) for n in names}
         """Where each output lies in :attr:`output_span`: byte offset and spec."""
         self.graph = Graph("env.step", backend=backend, max_variants=2).bind(self.bufs)
+        # the step plan, chosen once: one captured program, or two around the host's ticks
+        self._launch = (
+            self._launch_in_graph if self.mirror is None else functools.partial(self._launch_with_host, self.mirror)
+        )
+        self._guarded = "step" if self.mirror is None else "act"
 
     def _io_specs(self, c: PolicyConfig, n: int) -> list[BufferSpec]:
         """The step's scratch buffers, outputs last and back to back."""
@@ -297,8 +306,7 @@ class Engine:
         the seed alone); without, each slot draws the next episode of its stream. Then the
         episode is drawn, its instruction set, its first frame encoded, observations written."""
         saved = None if mask is None else self.bufs.slot_arena.clone()
-        if self.mirror is not None:
-            self.mirror.host_start(seeds, mask)
+        self.link.host_start(seeds, mask)
         if seeds is not None:
             self.sim.seed(seeds)
             p = self.policy.state
@@ -316,11 +324,17 @@ class Engine:
         graph. The step runs only where every action is in bounds: :meth:`held` says whether it
         did."""
         self.inputs.action.copy_(actions, non_blocking=True)  # from a device tensor or page-locked staging
-        if self.mirror is None:
-            if "step" not in self.graph:
-                self.graph.capture("step", self.program, guard=self._guard)
-            self.graph.replay("step")
-            return
+        self._launch()
+
+    def _launch_in_graph(self) -> None:
+        """An in-graph simulator's step: one replay of the captured program."""
+        if "step" not in self.graph:
+            self.graph.capture("step", self.program, guard=self._guard)
+        self.graph.replay("step")
+
+    def _launch_with_host(self, mirror: Mirror) -> None:
+        """An external simulator's step: the act graph, the host's ticks (through ``mirror``), the
+        finish graph."""
         if "act" not in self.graph:
             self.graph.capture("act", self._act, guard=self._guard)
             self.graph.capture("finish", self._finish)
@@ -328,7 +342,7 @@ class Engine:
         if not self.held():
             return
         cfg = self.cfg
-        rewards = self.mirror.host_step(self.inputs.chunk, self.episode.steps, cfg.max_episode_steps, cfg.autoreset)
+        rewards = mirror.host_step(self.inputs.chunk, self.episode.steps, cfg.max_episode_steps, cfg.autoreset)
         for dst, src in zip(self._rewards(), rewards, strict=True):
             dst.copy_(torch.from_numpy(np.ascontiguousarray(src, dtype=np.float32)))
         self.graph.replay("finish")
@@ -342,7 +356,7 @@ class Engine:
 
     def held(self) -> bool:
         """Whether the last launch's actions were in bounds (its step ran); waits for the guard."""
-        return self.graph.held("act" if self.mirror is not None else "step")
+        return self.graph.held(self._guarded)
 
     def read_outputs(self, device: torch.device | str | None = None) -> dict[str, torch.Tensor]:
         """Copies of the step's outputs and observations, made by one copy of :attr:`output_span`
@@ -363,10 +377,8 @@ class Engine:
     def set_instruction(self, index: int, slots: torch.Tensor | None) -> None:
         """Give ``slots`` (all if None) the instruction ``index`` and its keys/values."""
         instr = self.sim.instruction
-        if self.mirror is not None:
-            self.mirror.host.set_instruction(index, None if slots is None else slots.cpu().numpy())
-            self.mirror.host_refresh()
-        elif slots is None:
+        self.link.host_set_instruction(index, slots)  # the host refuses a bad index before anything changes
+        if slots is None:
             instr.fill_(index)
         else:
             instr[slots] = index
@@ -398,8 +410,7 @@ class Engine:
         capsule itself and skips it); observations written."""
         if check:
             self.check(capsule)
-        if self.mirror is not None:  # the host first: it refuses a bad row before anything moves
-            self.mirror.host_write(capsule.slots if slots is None else slots, capsule.tensor("sim.state"))
+        self.link.host_restore(capsule.slots if slots is None else slots, capsule)  # the host first: it refuses
         runtime.restore(self.bufs, capsule, slots)
         self._write(self.obs)
 
@@ -407,8 +418,7 @@ class Engine:
         """Return to an earlier boundary of this same buffer set; observations written."""
         if capsule.origin != self.bufs.uid:
             runtime.rollback(self.bufs, capsule)  # refuses it, naming the mistake
-        if self.mirror is not None:
-            self.mirror.host_write(capsule.slots, capsule.tensor("sim.state"))
+        self.link.host_restore(capsule.slots, capsule)
         runtime.rollback(self.bufs, capsule)
         self._write(self.obs)
 
@@ -416,15 +426,12 @@ class Engine:
         """Copy slot ``src``'s boundary into ``dst``; with ``reseed`` each destination gets its
         own random streams (policy noise, later episodes). Observations written."""
         runtime.fork(self.bufs, src, dst)
-        if self.mirror is not None:
-            self.mirror.host_write(dst, self.mirror.state.state[src : src + 1].expand(len(dst), -1))
+        self.link.host_fork(src, dst)
         if reseed:
             idx = torch.tensor(list(dst), device=self.device)
             for key in (self.policy.state.rng_key, self.sim.rng_key):
                 key[idx] = rng.reseed(key[idx], idx)
-            if self.mirror is not None:
-                self.mirror.host.seed(self.sim.rng_key[idx].cpu().numpy(), np.asarray(dst))
-                self.mirror.host_refresh()
+            self.link.host_reseed(idx, dst)
         self._write(self.obs)
 
 

@@ -1,5 +1,6 @@
-"""The engine's hand-off to an external simulator: :class:`Mirror`, the in-graph face of an
-:class:`~flashrt_gym.simulator.ExternalSimulator`.
+"""The engine's hand-offs to a simulator's host side: the :class:`HostLink` interface its verbs
+call at fixed points, :data:`NO_HOST_LINK` (an in-graph simulator has no host side) and
+:class:`Mirror`, the in-graph face of an :class:`~flashrt_gym.simulator.ExternalSimulator`.
 
 The mirror is an in-graph :class:`~flashrt_gym.simulator.Simulator` over device buffers that hold,
 per slot, the host's state row and what the policy and the agent read of it (observation,
@@ -19,13 +20,60 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import torch
 
-from flashrt.runtime import BufferSet, BufferSpec, scratch, slot
+from flashrt.runtime import BufferSet, BufferSpec, Capsule, scratch, slot
 from flashrt.runtime.views import bind_views
 from flashrt_gym.simulator import BoundState, ExternalSimulator
+
+
+class HostLink(Protocol):
+    """What the engine's verbs hand to a simulator's host side, each at one fixed point of the
+    verb (the step's own hand-off is :meth:`Mirror.host_step`, in the step plan of an external
+    simulator)."""
+
+    def host_start(self, seeds: torch.Tensor | None, mask: torch.Tensor | None) -> None:
+        """New episodes of the masked slots (all if None), reseeded first when ``seeds`` are given."""
+
+    def host_restore(self, slots: Sequence[int], capsule: Capsule) -> None:
+        """``capsule``'s simulator state into ``slots``, before the buffer set is restored (a
+        refused row changes nothing)."""
+
+    def host_fork(self, src: int, dst: Sequence[int]) -> None:
+        """Slot ``src``'s state into ``dst``, after the buffer set's fork."""
+
+    def host_reseed(self, idx: torch.Tensor, dst: Sequence[int]) -> None:
+        """The reseeded streams of ``dst`` (the simulator's keys at ``idx``) into the host."""
+
+    def host_set_instruction(self, index: int, slots: torch.Tensor | None) -> None:
+        """Instruction ``index`` for ``slots`` (all if None), before the device's copy is set."""
+
+
+class NoHostLink:
+    """The :class:`HostLink` of an in-graph simulator: its whole state is in the buffer set, so
+    every hand-off is nothing."""
+
+    def host_start(self, seeds: torch.Tensor | None, mask: torch.Tensor | None) -> None:
+        """Nothing: the in-graph simulator seeds and resets inside the engine's programs."""
+
+    def host_restore(self, slots: Sequence[int], capsule: Capsule) -> None:
+        """Nothing: the buffer set's restore is the simulator's."""
+
+    def host_fork(self, src: int, dst: Sequence[int]) -> None:
+        """Nothing: the buffer set's fork is the simulator's."""
+
+    def host_reseed(self, idx: torch.Tensor, dst: Sequence[int]) -> None:
+        """Nothing: the reseeded keys are the simulator's."""
+
+    def host_set_instruction(self, index: int, slots: torch.Tensor | None) -> None:
+        """Nothing: the device's instruction is the simulator's."""
+
+
+NO_HOST_LINK = NoHostLink()
+"""The host link of every in-graph simulator."""
 
 
 @dataclass(frozen=True)
@@ -166,5 +214,23 @@ class Mirror(BoundState):
         self.host.set_state(where, rows.cpu().numpy())
 
     def host_refresh(self) -> None:
-        """Mirror the host's current state of every slot (after an instruction change)."""
+        """Mirror the host's current state of every slot (after an instruction change or a reseed)."""
         self._upload(self._state)
+
+    def host_restore(self, slots: Sequence[int], capsule: Capsule) -> None:
+        """``capsule``'s state rows of ``slots`` into the host (the host refuses a bad row first)."""
+        self.host_write(slots, capsule.tensor("sim.state"))
+
+    def host_fork(self, src: int, dst: Sequence[int]) -> None:
+        """Slot ``src``'s state row (as the buffer set holds it) into the host's ``dst`` slots."""
+        self.host_write(dst, self.state.state[src : src + 1].expand(len(dst), -1))
+
+    def host_reseed(self, idx: torch.Tensor, dst: Sequence[int]) -> None:
+        """The host's ``dst`` slots reseeded from the mirrored keys at ``idx``; then mirrored back."""
+        self.host.seed(self.rng_key[idx].cpu().numpy(), np.asarray(dst))
+        self.host_refresh()
+
+    def host_set_instruction(self, index: int, slots: torch.Tensor | None) -> None:
+        """Instruction ``index`` for the host's ``slots`` (all if None); then mirrored back."""
+        self.host.set_instruction(index, None if slots is None else slots.cpu().numpy())
+        self.host_refresh()

@@ -28,8 +28,7 @@ Warp (``capture="torch"``, the default):
   byte for byte.
 
 ``capture="warp"`` instead replays the same kernels as Warp's own captured graph (byte for byte
-the same ticks): for an eager env (``graphs=False``), or an engine that launches a simulator's
-ticks between its graphs (:attr:`WarpPush.ticks_in_graph` is then False).
+the same ticks): for an eager env (``graphs=False``); inside a torch capture it is refused.
 
 ``warp`` and ``mujoco_warp`` are imported when a :class:`WarpPush` is bound, never by
 ``import flashrt_gym.sims``.
@@ -133,8 +132,6 @@ class WarpPush(BoundState):
         self.cfg = cfg = as_push_config(cfg)
         self.num_slots = int(num_slots)
         self.capture = capture
-        self.ticks_in_graph = capture == "torch"
-        """Whether :meth:`run_ticks` can be recorded into the caller's torch graph."""
         self.iterations, self.deterministic = int(iterations), bool(deterministic)
         self.nconmax, self.njmax = int(nconmax), int(njmax)
         self.mjm, self.layout = load_scene(cfg)
