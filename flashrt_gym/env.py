@@ -24,9 +24,9 @@ from flashrt_gym import arguments
 from flashrt_gym.assets import TINY
 from flashrt_gym.devices import policy_dtype, resolve_device
 from flashrt_gym.engine import Engine, StepConfig
-from flashrt_gym.sims.tabletop import Tabletop, TabletopConfig
+from flashrt_gym.sims.tabletop import Tabletop, TabletopConfig, as_tabletop_config
 from flashrt_gym.simulator import ExternalSimulator, Simulator
-from flashrt_gym.starts import StartCache
+from flashrt_gym.starts import StartCache, default_budget
 
 OBS_MODES = ("state", "features", "rgb", "dict")
 ACTION_MODES = ("noise", "residual")
@@ -135,7 +135,7 @@ class FlashRTVectorEnv(VectorEnv):
         self.render_mode, self.device = render_mode, resolve_device(device)
         if simulator is not None and task is not None:
             raise ValueError("pass task (the built-in tabletop's options) or simulator, not both")
-        sim = simulator(self.num_envs) if simulator is not None else Tabletop(arguments.tabletop_config(task))
+        sim = simulator(self.num_envs) if simulator is not None else Tabletop(as_tabletop_config(task))
         weights = weights or getattr(sim, "pretrained_weights", None) or TINY
         model, weights_id = load(Path(weights), device=self.device, dtype=policy_dtype(self.device))
         forms = ("state", "features", "rgb") if obs_mode == "dict" else (obs_mode,)
@@ -154,7 +154,9 @@ class FlashRTVectorEnv(VectorEnv):
             sim, model, weights_id, self.num_envs, self.step_config, backend="auto" if graphs else "eager"
         )
         self.starts = StartCache(
-            arguments.default_start_cache_bytes(self.engine) if start_cache_bytes is None else start_cache_bytes
+            default_budget(self.engine.device, self.engine.bufs.state_nbytes)
+            if start_cache_bytes is None
+            else start_cache_bytes
         )
         self.started = False
         self.waiting = np.zeros(self.num_envs, np.bool_)  # NEXT_STEP: ended last step, their next step resets

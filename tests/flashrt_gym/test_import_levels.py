@@ -45,7 +45,7 @@ LEVELS: dict[str, int] = {
     "flashrt_gym.engine.engine": 6,
     "flashrt_gym.engine": 7,
     "flashrt_gym.starts": 7,
-    "flashrt_gym.arguments": 8,
+    "flashrt_gym.arguments": 0,
     "flashrt_gym.env": 9,
     # 10-12: what stands on the env, and the package's public face
     "flashrt_gym.single": 10,

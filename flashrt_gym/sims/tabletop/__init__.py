@@ -6,7 +6,7 @@ static slot buffers and every step capturable.
 - :mod:`flashrt_gym.sims.tabletop.tabletop`: :class:`Tabletop`, the simulator.
 """
 
-from flashrt_gym.sims.tabletop.config import COLORS, GOALS, SHAPES, TabletopConfig
+from flashrt_gym.sims.tabletop.config import COLORS, GOALS, SHAPES, TabletopConfig, as_tabletop_config
 from flashrt_gym.sims.tabletop.tabletop import Tabletop, TabletopState
 
-__all__ = ["COLORS", "GOALS", "SHAPES", "Tabletop", "TabletopConfig", "TabletopState"]
+__all__ = ["COLORS", "GOALS", "SHAPES", "Tabletop", "TabletopConfig", "TabletopState", "as_tabletop_config"]

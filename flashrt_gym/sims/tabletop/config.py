@@ -129,3 +129,22 @@ class TabletopConfig:
     def to_dict(self) -> dict:
         """The constructor's arguments (what a config file or a capsule's owner records)."""
         return {k: v for k, v in asdict(self).items() if k != "heldout"}
+
+
+def as_tabletop_config(task: TabletopConfig | dict | None) -> TabletopConfig:
+    """``task`` as a :class:`TabletopConfig`.
+
+    Args:
+        task: a config, a dict of its fields (what a Hydra ``task`` group holds), or None.
+
+    Returns:
+        ``task`` itself, the default for None, or the config built from the dict.
+
+    Raises:
+        TypeError: ``task`` is none of these.
+    """
+    if task is None or isinstance(task, TabletopConfig):
+        return task or TabletopConfig()
+    if not isinstance(task, dict):
+        raise TypeError(f"task must be a TabletopConfig or a dict of its fields, got {type(task).__name__}")
+    return TabletopConfig(**task)
