@@ -64,7 +64,7 @@ def run_episodes(env: FlashRTVectorEnv, act: Callable[[Any], np.ndarray], seed: 
 def base_policy(env: FlashRTVectorEnv, seed: int) -> EpisodeStats:
     """The unsteered policy (its own per-slot noise, no correction) from ``seed``'s starts: ``env``
     must be built with ``action_mode="residual"`` and ``autoreset=False``."""
-    if env.step_config.action_mode != "residual":
+    if env.config.action_mode != "residual":
         raise ValueError("the base policy runs on its own noise: build the env with action_mode='residual'")
     zeros = np.zeros((env.num_envs, *env.single_action_space.shape), np.float32)
     return run_episodes(env, lambda _: zeros, seed)
@@ -99,7 +99,7 @@ def evaluate(env: FlashRTVectorEnv, act: Callable[[np.ndarray], np.ndarray], spl
     if episodes % n:
         raise ValueError(f"episodes ({episodes}) must be a multiple of the evaluation env's slots ({n})")
     first = eval_seed(split, episodes)
-    horizon = env.step_config.max_episode_steps
+    horizon = env.config.max_episode_steps
     batches = []
     # env steps (slot-chunks) at most: every slot of a batch steps until the batch's last episode ends
     with tqdm(total=episodes * horizon, desc=f"{split}, {episodes} episodes", unit="env step", leave=False) as bar:

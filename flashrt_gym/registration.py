@@ -18,7 +18,8 @@ from typing import Any
 
 import gymnasium
 
-from flashrt_gym.env import MAX_EPISODE_STEPS, FlashRTVectorEnv
+from flashrt_gym.env import FlashRTVectorEnv
+from flashrt_gym.env_config import MAX_EPISODE_STEPS
 from flashrt_gym.sims import metaworld, mujoco_push, warp_push
 from flashrt_gym.sims.metaworld_tasks import INSTRUCTIONS as METAWORLD_TASKS
 from flashrt_gym.simulator import ExternalSimulator, Simulator, check_simulator

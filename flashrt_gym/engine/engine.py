@@ -25,7 +25,6 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
 
 import numpy as np
 import torch
@@ -36,38 +35,8 @@ from flashrt.policies import FlowPolicy, InstructionTable, PolicyConfig, PolicyP
 from flashrt.runtime import BufferSpec, Capsule, Graph, scratch, slot
 from flashrt.runtime.views import bind_views
 from flashrt_gym.engine.host_link import NO_HOST_LINK, HostLink, Mirror
+from flashrt_gym.env_config import EnvConfig
 from flashrt_gym.simulator import ExternalSimulator, Simulator, check_simulator, is_external
-
-ObsForm = Literal["state", "features", "rgb"]
-OBS_FORMS: tuple[ObsForm, ...] = ("state", "features", "rgb")
-
-
-@dataclass(frozen=True)
-class StepConfig:
-    """The static options of a step (they shape its buffers and its captured graph).
-
-    Args:
-        action_mode: ``"noise"`` (the action scaled by ``noise_bound`` is the policy's initial
-            noise) or ``"residual"`` (the policy draws its own noise; the action scaled by
-            ``residual_scale`` is added to its chunk).
-        reward_mode: ``"dense"`` or ``"sparse"``.
-        noise_bound, residual_scale: see ``action_mode``.
-        repeat_over_horizon: the action is one ``action_dim`` vector repeated over the chunk.
-        n_action_steps: actions of each chunk the simulator executes per step.
-        max_episode_steps: steps after which an episode is truncated.
-        obs_forms: the observation forms a step writes (a subset of :data:`OBS_FORMS`).
-        autoreset: finished slots start their next episode inside the same step.
-    """
-
-    action_mode: Literal["noise", "residual"] = "noise"
-    reward_mode: Literal["dense", "sparse"] = "dense"
-    noise_bound: float = 1.5
-    residual_scale: float = 0.5
-    repeat_over_horizon: bool = False
-    n_action_steps: int = 4
-    max_episode_steps: int = 40
-    obs_forms: tuple[ObsForm, ...] = ("state",)
-    autoreset: bool = True
 
 
 @dataclass(frozen=True)
@@ -118,7 +87,8 @@ class Engine:
         model: the policy weights, on the device the engine runs on.
         weights_id: identifies the weights (a file hash) for the deployment digest.
         num_slots: parallel episodes.
-        cfg: the step's static options.
+        cfg: the env's step options (they shape the buffers and the captured programs).
+        autoreset: finished slots start their next episode inside the same step.
         backend: graph backend (``"auto"``: CUDA graphs on a GPU, eager on the CPU).
     """
 
@@ -128,8 +98,9 @@ class Engine:
         model: FlowPolicy,
         weights_id: str,
         num_slots: int,
-        cfg: StepConfig,
+        cfg: EnvConfig,
         *,
+        autoreset: bool = True,
         backend: runtime.graphs.Backend = "auto",
     ) -> None:
         c = model.cfg
@@ -140,7 +111,7 @@ class Engine:
         """Where each verb hands off to the simulator's host side (nothing for an in-graph one)."""
         sim = self.mirror or sim
         _check_fit(sim, c, cfg)
-        self.sim, self.cfg = sim, cfg
+        self.sim, self.cfg, self.autoreset = sim, cfg, autoreset
         device = next(model.parameters()).device
         identity = f"{sim.identity()}|n_action_steps={cfg.n_action_steps}|max_episode_steps={cfg.max_episode_steps}"
         digest = deployment_digest(model, weights_id + identity)
@@ -180,7 +151,7 @@ class Engine:
             "features": ((c.width + self.sim.proprio_dim,), torch.float32),
             "rgb": ((c.image_size, c.image_size, 3), torch.uint8),
         }
-        prefixes = ("obs", "final") if cfg.autoreset else ("obs",)
+        prefixes = ("obs", "final") if self.autoreset else ("obs",)
         return [
             scratch("env.in.action", (n, agent_dim)),
             scratch("env.in.action_ok", (1,), torch.bool),
@@ -189,7 +160,7 @@ class Engine:
             scratch("env.out.reward", (n,)),
             scratch("env.out.terminated", (n,), torch.bool),
             scratch("env.out.truncated", (n,), torch.bool),
-            *([scratch("env.out.done", (n,), torch.bool)] if cfg.autoreset else []),
+            *([scratch("env.out.done", (n,), torch.bool)] if self.autoreset else []),
             *(
                 scratch(f"env.{p}.{form}", (n, *shapes[form][0]), shapes[form][1])
                 for p in prefixes
@@ -273,7 +244,7 @@ class Engine:
         self.episode.steps.add_(1)
         out.terminated.copy_(sim.success)
         torch.bitwise_and(self.episode.steps >= cfg.max_episode_steps, ~sim.success, out=out.truncated)
-        if cfg.autoreset:
+        if self.autoreset:
             torch.logical_or(out.terminated, out.truncated, out=out.done)
             final = self.final
             if final.features is not None or final.rgb is not None:  # the last frame, rendered
@@ -342,7 +313,7 @@ class Engine:
         if not self.held():
             return
         cfg = self.cfg
-        rewards = mirror.host_step(self.inputs.chunk, self.episode.steps, cfg.max_episode_steps, cfg.autoreset)
+        rewards = mirror.host_step(self.inputs.chunk, self.episode.steps, cfg.max_episode_steps, self.autoreset)
         for dst, src in zip(self._rewards(), rewards, strict=True):
             dst.copy_(torch.from_numpy(np.ascontiguousarray(src, dtype=np.float32)))
         self.graph.replay("finish")
@@ -435,15 +406,11 @@ class Engine:
         self._write(self.obs)
 
 
-def _check_fit(sim: Simulator, c: PolicyConfig, cfg: StepConfig) -> None:
-    """Refuse a policy, simulator and step that cannot run together, naming the mismatch."""
+def _check_fit(sim: Simulator, c: PolicyConfig, cfg: EnvConfig) -> None:
+    """Refuse a policy, simulator and step that cannot run together, naming the mismatch (the
+    config's own values were checked when it was made)."""
     if not 1 <= cfg.n_action_steps <= c.horizon:
         raise ValueError(f"n_action_steps must be in [1, horizon={c.horizon}], got {cfg.n_action_steps}")
-    if cfg.max_episode_steps < 1:
-        raise ValueError(f"max_episode_steps must be >= 1, got {cfg.max_episode_steps}")
-    unknown = [f for f in cfg.obs_forms if f not in OBS_FORMS]
-    if unknown or not cfg.obs_forms:
-        raise ValueError(f"obs_forms must be a non-empty subset of {OBS_FORMS}, got {cfg.obs_forms}")
     wants = {
         "num_cameras": (c.num_cameras, sim.num_cameras, "equal"),
         "image_size": (c.image_size, sim.image_size, "equal"),

@@ -30,6 +30,7 @@ LEVELS: dict[str, int] = {
     "flashrt_gym.sims.tabletop.triton_kernels": 0,
     # 1-4: the assets, the learners and the simulators, each wing bottom-up
     "flashrt_gym.assets": 1,
+    "flashrt_gym.env_config": 1,
     "flashrt_gym.learners.*": 1,
     "flashrt_gym.sims.metaworld_cpu": 1,
     "flashrt_gym.sims.tabletop.tabletop": 1,
