@@ -3,15 +3,11 @@ an error that names the argument and what it accepts."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import torch
-
-from flashrt_gym.engine import Engine
-from flashrt_gym.tasks import TabletopConfig
 
 
 def choose(name: str, value: Any, options: Sequence[Any]) -> Any:
@@ -33,25 +29,6 @@ def positive(name: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float, np.floating)) or not 0 < value < np.inf:
         raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
     return float(value)
-
-
-def tabletop_config(task: TabletopConfig | dict | None) -> TabletopConfig:
-    """The built-in tabletop's configuration from a config, a dict of its fields, or None."""
-    if task is None or isinstance(task, TabletopConfig):
-        return task or TabletopConfig()
-    if not isinstance(task, dict):
-        raise TypeError(f"task must be a TabletopConfig or a dict of its fields, got {type(task).__name__}")
-    return TabletopConfig(**task)
-
-
-def default_start_cache_bytes(engine: Engine) -> int:
-    """One set of starts where that is at most 1/16 of the device's memory, else none."""
-    if engine.device.type == "cuda":
-        total = torch.cuda.get_device_properties(engine.device).total_memory
-    else:
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    one = engine.bufs.state_nbytes
-    return one if one <= total // 16 else 0
 
 
 def slot_list(slots: Any, num_envs: int, what: str) -> list[int]:

@@ -23,17 +23,13 @@ from flashrt.runtime import Capsule
 from flashrt_gym import arguments
 from flashrt_gym.assets import TINY
 from flashrt_gym.devices import policy_dtype, resolve_device
-from flashrt_gym.engine import Engine, StepConfig
-from flashrt_gym.external import ExternalSimulator
-from flashrt_gym.simulator import Simulator
-from flashrt_gym.starts import StartCache
-from flashrt_gym.tasks import Tabletop, TabletopConfig
+from flashrt_gym.engine import Engine
+from flashrt_gym.env_config import MAX_EPISODE_STEPS, EnvConfig
+from flashrt_gym.sims.tabletop import Tabletop, TabletopConfig, as_tabletop_config
+from flashrt_gym.simulator import ExternalSimulator, Simulator
+from flashrt_gym.starts import StartCache, default_budget
 
-OBS_MODES = ("state", "features", "rgb", "dict")
-ACTION_MODES = ("noise", "residual")
-REWARD_MODES = ("dense", "sparse")
 Obs = np.ndarray | dict[str, np.ndarray]
-MAX_EPISODE_STEPS = 40  # chunks of an episode by default (the registered ids' max_episode_steps)
 
 
 class FlashRTVectorEnv(VectorEnv):
@@ -88,7 +84,7 @@ class FlashRTVectorEnv(VectorEnv):
     n_action_steps: actions of each chunk executed per step. max_episode_steps: chunks per episode.
     task: the built-in tabletop's :class:`TabletopConfig` (or a dict of its fields).
     simulator: a callable that takes ``num_envs`` and returns a fresh simulator, in-graph
-    (:class:`~flashrt_gym.simulator.Simulator`) or external (:class:`~flashrt_gym.external.ExternalSimulator`)
+    (:class:`~flashrt_gym.simulator.Simulator`) or external (:class:`~flashrt_gym.simulator.ExternalSimulator`)
     (default: the tabletop of ``task``). weights: a policy folder (default: the simulator's
     ``pretrained_weights`` where it names one, else the shipped tabletop ``tiny`` policy).
     device: ``"auto"`` (CUDA when present), ``"cpu"`` or ``"cuda"``. graphs: capture the step as a
@@ -109,13 +105,13 @@ class FlashRTVectorEnv(VectorEnv):
         self,
         num_envs: int = 1,
         *,
-        obs_mode: str = "state",
-        action_mode: str = "noise",
-        reward_mode: str = "dense",
-        noise_bound: float = 1.5,
-        residual_scale: float = 0.5,
-        repeat_over_horizon: bool = False,
-        n_action_steps: int = 4,
+        obs_mode: str = EnvConfig.obs_mode,
+        action_mode: str = EnvConfig.action_mode,
+        reward_mode: str = EnvConfig.reward_mode,
+        noise_bound: float = EnvConfig.noise_bound,
+        residual_scale: float = EnvConfig.residual_scale,
+        repeat_over_horizon: bool = EnvConfig.repeat_over_horizon,
+        n_action_steps: int = EnvConfig.n_action_steps,
         max_episode_steps: int = MAX_EPISODE_STEPS,
         task: TabletopConfig | dict | None = None,
         simulator: Callable[[int], Simulator | ExternalSimulator] | None = None,
@@ -128,7 +124,12 @@ class FlashRTVectorEnv(VectorEnv):
         autoreset_mode: AutoresetMode | str | None = None,
     ) -> None:
         self.num_envs = arguments.count("num_envs", num_envs)
-        self.obs_mode = arguments.choose("obs_mode", obs_mode, OBS_MODES)
+        self.config = EnvConfig(
+            obs_mode, action_mode, reward_mode, noise_bound, residual_scale, repeat_over_horizon, n_action_steps,
+            max_episode_steps,
+        )  # fmt: skip
+        """The env's step options, checked (:class:`~flashrt_gym.env_config.EnvConfig`)."""
+        self.obs_mode = self.config.obs_mode
         arguments.choose("render_mode", render_mode, (None, "rgb_array"))
         self.autoreset_mode = _autoreset_mode(autoreset, autoreset_mode)
         self.autoreset = self.autoreset_mode != AutoresetMode.DISABLED
@@ -136,26 +137,22 @@ class FlashRTVectorEnv(VectorEnv):
         self.render_mode, self.device = render_mode, resolve_device(device)
         if simulator is not None and task is not None:
             raise ValueError("pass task (the built-in tabletop's options) or simulator, not both")
-        sim = simulator(self.num_envs) if simulator is not None else Tabletop(arguments.tabletop_config(task))
+        sim = simulator(self.num_envs) if simulator is not None else Tabletop(as_tabletop_config(task))
         weights = weights or getattr(sim, "pretrained_weights", None) or TINY
         model, weights_id = load(Path(weights), device=self.device, dtype=policy_dtype(self.device))
-        forms = ("state", "features", "rgb") if obs_mode == "dict" else (obs_mode,)
-        self.step_config = StepConfig(
-            arguments.choose("action_mode", action_mode, ACTION_MODES),
-            arguments.choose("reward_mode", reward_mode, REWARD_MODES),
-            arguments.positive("noise_bound", noise_bound),
-            arguments.positive("residual_scale", residual_scale),
-            bool(repeat_over_horizon),
-            arguments.count("n_action_steps", n_action_steps),
-            arguments.count("max_episode_steps", max_episode_steps),
-            forms,
-            self.autoreset,
-        )
         self.engine = Engine(
-            sim, model, weights_id, self.num_envs, self.step_config, backend="auto" if graphs else "eager"
+            sim,
+            model,
+            weights_id,
+            self.num_envs,
+            self.config,
+            autoreset=self.autoreset,
+            backend="auto" if graphs else "eager",
         )
         self.starts = StartCache(
-            arguments.default_start_cache_bytes(self.engine) if start_cache_bytes is None else start_cache_bytes
+            default_budget(self.engine.device, self.engine.bufs.state_nbytes)
+            if start_cache_bytes is None
+            else start_cache_bytes
         )
         self.started = False
         self.waiting = np.zeros(self.num_envs, np.bool_)  # NEXT_STEP: ended last step, their next step resets
@@ -167,7 +164,7 @@ class FlashRTVectorEnv(VectorEnv):
             "features": spaces.Box(low, high, dtype=np.float32),
             "rgb": spaces.Box(0, 255, (model.cfg.image_size, model.cfg.image_size, 3), np.uint8),
         }
-        self.single_observation_space = spaces.Dict(single) if obs_mode == "dict" else single[obs_mode]
+        self.single_observation_space = spaces.Dict(single) if self.obs_mode == "dict" else single[self.obs_mode]
         self.action_space = gym.vector.utils.batch_space(self.single_action_space, self.num_envs)
         self.observation_space = gym.vector.utils.batch_space(self.single_observation_space, self.num_envs)
         pinned = self.device.type == "cuda"  # page-locked: the transfers are asynchronous copies
@@ -238,7 +235,7 @@ class FlashRTVectorEnv(VectorEnv):
         np.copyto(
             self._actions_np,
             arguments.host_actions(
-                actions, (self.num_envs, *self.single_action_space.shape), self.step_config.repeat_over_horizon
+                actions, (self.num_envs, *self.single_action_space.shape), self.config.repeat_over_horizon
             ),
         )
         waiting = self.waiting.copy() if self.waiting.any() else None
@@ -283,7 +280,7 @@ class FlashRTVectorEnv(VectorEnv):
         if self.autoreset_mode == AutoresetMode.NEXT_STEP:
             raise RuntimeError("step_torch autoresets in the same step; this env is NEXT_STEP: use step()")
         want = (self.num_envs, *self.single_action_space.shape)
-        arguments.check_actions(actions, want, self.step_config.repeat_over_horizon)
+        arguments.check_actions(actions, want, self.config.repeat_over_horizon)
         host = actions.device.type == "cpu" and self.device.type != "cpu"
         if host:
             arguments.check_action_bounds(actions.numpy(force=True))
@@ -385,7 +382,7 @@ class FlashRTVectorEnv(VectorEnv):
         return {n: host[lo:hi].view(dtype).reshape(shape) for n, lo, hi, dtype, shape in self._host_layout}
 
     def _pick(self, out: dict[str, Any], prefix: str) -> Any:
-        parts = {f: out[f"env.{prefix}.{f}"] for f in self.step_config.obs_forms}
+        parts = {f: out[f"env.{prefix}.{f}"] for f in self.config.obs_forms}
         return parts if self.obs_mode == "dict" else parts[self.obs_mode]
 
     def _obs(self) -> Obs:

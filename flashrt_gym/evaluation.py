@@ -1,4 +1,5 @@
-"""Batched evaluation: one episode per slot from seeded starts, and the seeds' named splits.
+"""Batched evaluation: one episode per slot from seeded starts, the seeds' named splits, and
+:func:`evaluate`, a split's episodes in batches of the env's slots.
 
 Every evaluation runs ``num_envs`` episodes at once in an env built with ``autoreset=False``:
 ``reset(seed=s)`` gives slot i the start of seed ``s + i``, finished slots stop counting, and the
@@ -14,11 +15,22 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import torch
+from tqdm import tqdm
 
 from flashrt_gym.env import FlashRTVectorEnv
-from flashrt_gym.splits import TEST_SEED, VALIDATION_SEED
+from flashrt_gym.splits import TEST_SEED, VALIDATION_SEED, eval_seed
 
-__all__ = ["TEST_SEED", "VALIDATION_SEED", "EpisodeStats", "base_policy", "run_episodes"]
+__all__ = [
+    "TEST_SEED",
+    "VALIDATION_SEED",
+    "EpisodeStats",
+    "EvalResult",
+    "base_policy",
+    "evaluate",
+    "run_episodes",
+    "torch_policy",
+]
 
 
 @dataclass(frozen=True)
@@ -52,7 +64,67 @@ def run_episodes(env: FlashRTVectorEnv, act: Callable[[Any], np.ndarray], seed: 
 def base_policy(env: FlashRTVectorEnv, seed: int) -> EpisodeStats:
     """The unsteered policy (its own per-slot noise, no correction) from ``seed``'s starts: ``env``
     must be built with ``action_mode="residual"`` and ``autoreset=False``."""
-    if env.step_config.action_mode != "residual":
+    if env.config.action_mode != "residual":
         raise ValueError("the base policy runs on its own noise: build the env with action_mode='residual'")
     zeros = np.zeros((env.num_envs, *env.single_action_space.shape), np.float32)
     return run_episodes(env, lambda _: zeros, seed)
+
+
+@dataclass
+class EvalResult:
+    """What :func:`evaluate` gave: success rate and mean return over ``episodes`` episodes."""
+
+    success: float
+    mean_return: float
+    episodes: int
+
+
+def evaluate(env: FlashRTVectorEnv, act: Callable[[np.ndarray], np.ndarray], split: str, episodes: int) -> EvalResult:
+    """``episodes`` episodes of ``split``'s starts, one per slot of ``env``, in batches of
+    :func:`run_episodes`, under a progress bar.
+
+    Args:
+        env: an env built with ``autoreset=False``.
+        act: the policy, a batch of observations to a batch of actions.
+        split: ``"validation"`` or ``"test"`` (:mod:`flashrt_gym.splits`).
+        episodes: how many, a multiple of ``env``'s slots.
+
+    Returns:
+        The success rate and the mean return over the episodes.
+
+    Raises:
+        ValueError: ``episodes`` is not a multiple of the env's slots.
+    """
+    n = env.num_envs
+    if episodes % n:
+        raise ValueError(f"episodes ({episodes}) must be a multiple of the evaluation env's slots ({n})")
+    first = eval_seed(split, episodes)
+    horizon = env.config.max_episode_steps
+    batches = []
+    # env steps (slot-chunks) at most: every slot of a batch steps until the batch's last episode ends
+    with tqdm(total=episodes * horizon, desc=f"{split}, {episodes} episodes", unit="env step", leave=False) as bar:
+
+        def counted(obs: np.ndarray) -> np.ndarray:
+            bar.update(n)
+            return act(obs)
+
+        for i, start in enumerate(range(first, first + episodes, n)):
+            batches.append(run_episodes(env, counted, start))
+            bar.update((i + 1) * n * horizon - bar.n)  # a batch whose episodes all ended early
+    return EvalResult(
+        sum(b.success for b in batches) / len(batches), sum(b.mean_return for b in batches) / len(batches), episodes
+    )
+
+
+def torch_policy(
+    act: Callable[[torch.Tensor], torch.Tensor], device: torch.device
+) -> Callable[[np.ndarray], np.ndarray]:
+    """A NumPy policy for :func:`evaluate` from one on device tensors.
+
+    Args:
+        act: the policy on tensors. device: where ``act`` reads its observations.
+
+    Returns:
+        The same policy on NumPy arrays.
+    """
+    return lambda obs: act(torch.tensor(obs, device=device)).cpu().numpy()

@@ -1,4 +1,6 @@
-"""What a simulator provides to be wrapped with a VLA: the in-graph simulator protocol.
+"""What a simulator provides to be wrapped with a VLA: the :class:`Simulator` (in-graph) and
+:class:`ExternalSimulator` (host) protocols, and :func:`check_simulator`, which names what one lacks.
+This module is all a simulator author reads.
 
 An in-graph simulator keeps its whole state in slot buffers of the env's one
 :class:`flashrt.runtime.BufferSet` (declared by :meth:`Simulator.specs`, named ``sim.*``) and
@@ -6,7 +8,7 @@ runs its tick, reset, render and observations as fixed-shape programs over them:
 or Warp kernels launched on the current stream, with no host synchronisation. The env's engine
 then captures one step (policy and simulator together) as one graph, and a capsule of the buffer
 set holds the simulator's state beside the policy's: reset, fork and rollback are byte copies.
-The built-in :class:`flashrt_gym.tasks.Tabletop` is the first implementation.
+The built-in :class:`flashrt_gym.sims.tabletop.Tabletop` is the first implementation.
 
 Conventions the engine relies on:
 
@@ -23,13 +25,22 @@ Conventions the engine relies on:
 - A simulator may name the policy trained for it, a folder, as ``pretrained_weights`` (in-graph
   and external alike): the env loads it when it is given no weights, and the shipped tabletop
   policy when neither names one.
+
+An :class:`ExternalSimulator` steps on the host instead (MuJoCo's C library, a Gymnasium vector
+env, a robot stack) on NumPy arrays, and can read and write each slot's whole state as a row of
+bytes (:meth:`~ExternalSimulator.get_state` / :meth:`~ExternalSimulator.set_state`). The engine
+keeps a device mirror of those rows and of what the policy reads
+(:mod:`flashrt_gym.engine.host_link`), so capsules, forks and rollbacks hold it too; the host
+draws a finished slot's next episode during the step's hand-off (its own seeded stream).
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
+import numpy as np
 import torch
 
 from flashrt.runtime import BufferSet, BufferSpec
@@ -136,3 +147,152 @@ class BoundState:
     @property
     def rng_key(self) -> torch.Tensor:
         return self.state.key
+
+
+@runtime_checkable
+class ExternalSimulator(Protocol):
+    """A batched simulator stepped on the host; every array is NumPy with the slots first."""
+
+    instructions: Sequence[str]
+    num_cameras: int
+    image_size: int
+    action_dim: int
+    proprio_dim: int
+    observation_dim: int
+    observation_bound: float | None
+    state_nbytes: int
+    """Bytes of one slot's state row: everything the next tick and reset read (physics with the
+    solver's warm start, the slot's RNG stream, its instruction, its flags)."""
+
+    def identity(self) -> str:
+        """A string that differs whenever two simulators' state rows are not interchangeable."""
+        ...
+
+    def seed(self, seeds: np.ndarray, slots: np.ndarray | None = None) -> None:
+        """Restart the RNG stream of each slot (all, or ``slots``) from its int64 seed."""
+        ...
+
+    def reset(self, mask: np.ndarray | None = None) -> None:
+        """Draw the next episode of each slot's stream where ``mask`` (all if None)."""
+        ...
+
+    def run_ticks(self, actions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Advance every slot ``T`` ticks under ``actions (slots, T, action_dim)`` float32; the
+        summed (dense, sparse) float32 rewards. A slot that has succeeded is frozen."""
+        ...
+
+    def set_instruction(self, index: int, slots: np.ndarray | None = None) -> None:
+        """Give ``slots`` (all if None) the instruction ``index`` from the next tick on."""
+        ...
+
+    def success(self) -> np.ndarray:
+        """(slots,) bool."""
+        ...
+
+    def instruction(self) -> np.ndarray:
+        """(slots,) int64 index into ``instructions``."""
+        ...
+
+    def render(self) -> np.ndarray:
+        """(slots, num_cameras, H, W, 3) uint8."""
+        ...
+
+    def proprio(self) -> np.ndarray:
+        """(slots, proprio_dim) float32."""
+        ...
+
+    def observation(self) -> np.ndarray:
+        """(slots, observation_dim) float32."""
+        ...
+
+    def get_state(self, slots: np.ndarray | None = None) -> np.ndarray:
+        """(k, state_nbytes) uint8 state rows of ``slots`` (all if None)."""
+        ...
+
+    def set_state(self, slots: np.ndarray | None, states: np.ndarray) -> None:
+        """Write state rows; checks every row before writing any (a bad row changes nothing)."""
+        ...
+
+
+def is_external(sim: object) -> bool:
+    """Whether ``sim`` is an external simulator (it moves state rows in and out) rather than an
+    in-graph one; decided on its class, so no property of an unbound simulator is read."""
+    return all(callable(getattr(type(sim), name, None)) for name in ("get_state", "set_state"))
+
+
+_MISSING = object()
+
+
+def protocol_members(protocol: type) -> tuple[list[str], list[str]]:
+    """A protocol's members, in declaration order.
+
+    Args:
+        protocol: :class:`Simulator` or :class:`ExternalSimulator`.
+
+    Returns:
+        ``(attributes, methods)``: annotated names and properties are attributes (they must be
+        present), functions are methods (they must be callable).
+    """
+    attributes = [n for n in getattr(protocol, "__annotations__", {}) if not n.startswith("_")]
+    methods = []
+    for name, value in vars(protocol).items():
+        if name.startswith("_"):
+            continue
+        if isinstance(value, property):
+            attributes.append(name)
+        elif callable(value):
+            methods.append(name)
+    return attributes, methods
+
+
+def _callable(value: object) -> bool:
+    return callable(value) or isinstance(value, (classmethod, staticmethod))
+
+
+def missing_members(sim: object) -> tuple[type, list[str]]:
+    """The protocol ``sim`` (a simulator, or a simulator class) aims at and the members it lacks.
+
+    ``sim`` aims at :class:`ExternalSimulator` when it defines ``get_state`` or ``set_state``,
+    else at the in-graph :class:`~flashrt_gym.simulator.Simulator`. Members are looked up without
+    running them (``inspect.getattr_static``), so an unbound simulator's properties are not read.
+    For a class only the methods can be checked: data members are set by its ``__init__``.
+
+    Args:
+        sim: a simulator instance or class.
+
+    Returns:
+        The protocol, and the names it declares that ``sim`` lacks (a method counts as lacking
+        when ``sim``'s member of that name is not callable), in the protocol's order.
+    """
+    aims_external = any(inspect.getattr_static(sim, n, _MISSING) is not _MISSING for n in ("get_state", "set_state"))
+    protocol = ExternalSimulator if aims_external else Simulator
+    attributes, methods = protocol_members(protocol)
+    missing = (
+        [] if isinstance(sim, type) else [n for n in attributes if inspect.getattr_static(sim, n, _MISSING) is _MISSING]
+    )
+    missing += [n for n in methods if not _callable(inspect.getattr_static(sim, n, None))]
+    return protocol, missing
+
+
+def check_simulator(sim: object) -> None:
+    """Refuse a simulator (or simulator class) that lacks members of the protocol it aims at,
+    naming every missing member in one error, before anything reads them.
+
+    :func:`flashrt_gym.register_simulator` calls it on a simulator class when it is registered,
+    and every env's engine on the simulator it is given, before anything else touches it.
+
+    Args:
+        sim: a simulator instance, or a class (then only its methods are checked).
+
+    Raises:
+        TypeError: ``sim`` lacks members of :class:`ExternalSimulator` (it defines ``get_state``
+            or ``set_state``) or of :class:`~flashrt_gym.simulator.Simulator` (otherwise).
+    """
+    protocol, missing = missing_members(sim)
+    if missing:
+        what = sim.__name__ if isinstance(sim, type) else type(sim).__name__
+        raise TypeError(
+            f"{what} is not a complete {protocol.__module__}.{protocol.__name__}: it lacks {', '.join(missing)}. "
+            f"Define every member the protocol lists (a complete example: flashrt_gym/sims/push/mujoco_cpu.py for an "
+            f"external simulator, flashrt_gym/sims/tabletop/tabletop.py for an in-graph one)"
+        )

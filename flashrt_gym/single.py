@@ -78,7 +78,7 @@ class FlashRTEnv(gym.Env):
             raise TypeError(f"action must be an array of shape {self.action_space.shape}, got {type(action).__name__}")
         a = action.numpy(force=True) if isinstance(action, torch.Tensor) else np.asarray(action)
         if a.shape != self.action_space.shape:
-            repeated = self.vec.step_config.repeat_over_horizon
+            repeated = self.vec.config.repeat_over_horizon
             what = "action_dim, repeated over the horizon" if repeated else "horizon * action_dim"
             raise ValueError(f"action must have shape {self.action_space.shape} ({what}), got {a.shape}")
         obs, reward, term, trunc, _ = self.vec.step(a[None])

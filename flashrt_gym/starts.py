@@ -9,7 +9,28 @@ are evicted least recently used first; a budget smaller than one set of starts k
 
 from __future__ import annotations
 
+import os
+
+import torch
+
 from flashrt.runtime import Capsule, CapsuleRegistry
+
+
+def default_budget(device: torch.device, state_nbytes: int) -> int:
+    """The start cache's default budget: one set of starts where that is at most 1/16 of the
+    device's memory (the host's on the CPU), else none.
+
+    Args:
+        device: the env's device. state_nbytes: the bytes of one set of starts (the slot state).
+
+    Returns:
+        ``state_nbytes`` or 0.
+    """
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+    else:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return state_nbytes if state_nbytes <= total // 16 else 0
 
 
 class StartCache:

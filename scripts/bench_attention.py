@@ -35,7 +35,7 @@ from tqdm import tqdm
 from flashrt.kernels import attention
 from flashrt.kernels.backend import triton
 from flashrt.policies import PRESETS, PolicyConfig
-from flashrt_gym.tasks import TabletopConfig
+from flashrt_gym.sims.tabletop import TabletopConfig
 
 
 def per_call_us(fn: Callable[[], object], calls: int, reps: int) -> float:

@@ -24,7 +24,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from tqdm import tqdm
 
-from flashrt_gym.fast_sac import FastSAC, FastSACConfig
+from flashrt_gym.learners.fast_sac import FastSAC, FastSACConfig
 
 OBS, ACT = 15, 16
 

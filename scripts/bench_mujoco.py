@@ -51,8 +51,8 @@ from tqdm import tqdm
 from flashrt.runtime import BufferSet, atomic_write
 from flashrt_gym import FlashRTVectorEnv
 from flashrt_gym.sims import SCENE, MujocoPush, PushConfig, WarpPush, load_scene
-from flashrt_gym.sims.mujoco_warp import ITERATIONS
-from flashrt_gym.sims.warp_api import warp_api
+from flashrt_gym.sims.push.mujoco_warp import ITERATIONS
+from flashrt_gym.sims.push.warp_api import warp_api
 
 MJW_OPTIONS = [  # (row name, a fixed iteration bound, determinism): the simulator's two options apart
     ("defaults", False, False),

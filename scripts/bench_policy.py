@@ -61,7 +61,7 @@ from flashrt.kernels import fp8
 from flashrt.policies import PRESETS, FlowPolicy, InstructionTable, PaliGemmaTokenizer, PolicyPipeline, policy_specs
 from flashrt.policies.model import PRECISIONS
 from flashrt.runtime import BufferSet, Graph, atomic_write
-from flashrt_gym.tasks import TabletopConfig
+from flashrt_gym.sims.tabletop import TabletopConfig
 
 EXACT = ("lerobot_pi0", "lerobot_pi05")
 TOKENIZER = Path(__file__).parents[1] / "tests" / "policies" / "fixtures" / "tokenizer.model"

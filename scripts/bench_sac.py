@@ -21,7 +21,7 @@ from stable_baselines3 import SAC
 from stable_baselines3.common.logger import configure
 from tqdm import tqdm
 
-from flashrt_gym.graph_sac import GraphSAC
+from flashrt_gym.learners.graph_sac import GraphSAC
 from flashrt_gym.sb3 import SB3VecEnv
 
 

@@ -13,9 +13,9 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
-from flashrt_gym.demos import collect, save_shard
+from flashrt_gym.demos.tabletop import collect, save_shard
 from flashrt_gym.devices import resolve_device
-from flashrt_gym.tasks import TabletopConfig
+from flashrt_gym.sims.tabletop import TabletopConfig
 
 logger = logging.getLogger(__name__)
 

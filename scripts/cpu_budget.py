@@ -26,7 +26,7 @@ from hydra import compose, initialize_config_dir
 from tqdm import tqdm
 
 from flashrt.runtime import atomic_write
-from flashrt_gym.fast_sac import FastSAC, FastSACConfig
+from flashrt_gym.learners.fast_sac import FastSAC, FastSACConfig
 from flashrt_gym.training import check, make_env
 
 logger = logging.getLogger("cpu_budget")

@@ -3,7 +3,7 @@
 1. Collect (skipped when ``<out>/demos`` already holds shards): Meta-World's scripted policies plus
    Gaussian action noise on MuJoCo's C library, ``--episodes`` successful episodes of every task
    (``--tasks``: MT10 by default), in batches of ``--slots`` episodes
-   (``flashrt_gym.sims.metaworld_demos.collect_batch``: slot i runs task i % len(tasks) from the
+   (``flashrt_gym.demos.metaworld.collect_batch``: slot i runs task i % len(tasks) from the
    demonstrations' seed block), ``--workers`` batches at a time in parallel processes, one shard
    per batch (the same shards whatever ``--workers``).
 2. Pretrain (unless ``--collect-only``): ``scripts/pretrain_policy.py``'s ``run`` on those shards
@@ -41,7 +41,7 @@ from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from flashrt.runtime import atomic_write
-from flashrt_gym.sims.metaworld_demos import (
+from flashrt_gym.demos.metaworld import (
     MetaWorldTask,
     collect_batch,
     episodes_per_task,

@@ -25,7 +25,7 @@ from benchlib import commit
 
 from flashrt.runtime import BufferSet, atomic_write
 from flashrt_gym.sims import MujocoPush, PushConfig
-from flashrt_gym.tasks import Tabletop, TabletopConfig
+from flashrt_gym.sims.tabletop import Tabletop, TabletopConfig
 
 
 def mujoco_episodes(cfg: TabletopConfig, seeds: np.ndarray, max_ticks: int, batch: int) -> dict[str, np.ndarray]:

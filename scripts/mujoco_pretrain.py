@@ -2,12 +2,12 @@
 
 1. Collect (skipped when ``<out>/demos`` already holds shards): the push task's scripted expert
    plus action noise on MuJoCo's C library, ``--episodes`` successful episodes in batches of
-   ``--slots`` (``flashrt_gym.sims.demos.collect_batch``), ``--workers`` batches at a time in
-   parallel processes, one shard per batch in the format of ``flashrt_gym.demos``.
+   ``--slots`` (``flashrt_gym.demos.push.collect_batch``), ``--workers`` batches at a time in
+   parallel processes, one shard per batch in the format of ``flashrt_gym.demos.tabletop``.
 2. Pretrain (unless ``--collect-only``): ``scripts/pretrain_policy.py``'s ``run`` on those shards
    with ``configs/pretrain.yaml`` (composed by Hydra) and the ``key=value`` overrides given, its
    checkpoints evaluated in closed loop on the MuJoCo push task
-   (``flashrt_gym.sims.demos.evaluate``, seen and held-out instructions, validation starts, the
+   (``flashrt_gym.demos.push.evaluate``, seen and held-out instructions, validation starts, the
    physics on ``--eval-threads`` CPU threads) instead of the 2-D tabletop. Writes
    ``<out>/pretrain/step-N/`` weights and ``<out>/pretrain/evals.json``.
 
@@ -32,9 +32,9 @@ from hydra import compose, initialize_config_dir
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from flashrt_gym.sims.demos import collect_batch, first_episodes, push_config, save_shard
-from flashrt_gym.sims.demos import evaluate as evaluate_push
-from flashrt_gym.sims.push import PushConfig
+from flashrt_gym.demos.push import collect_batch, first_episodes, push_config, save_shard
+from flashrt_gym.demos.push import evaluate as evaluate_push
+from flashrt_gym.sims.push.task import PushConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -32,11 +32,11 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 from flashrt.policies import PRESETS, FlowPolicy, load, save, tokenizer_for
 from flashrt.runtime import atomic_write
-from flashrt_gym.demos import Windows, load_shards
+from flashrt_gym.demos.tabletop import Windows, load_shards
 from flashrt_gym.devices import resolve_device
 from flashrt_gym.env import FlashRTVectorEnv
 from flashrt_gym.evaluation import VALIDATION_SEED, base_policy
-from flashrt_gym.tasks import Tabletop, TabletopConfig
+from flashrt_gym.sims.tabletop import Tabletop, TabletopConfig
 
 logger = logging.getLogger(__name__)
 

@@ -44,7 +44,7 @@ def rollout(env: FlashRTVectorEnv, draw: Callable[[int, int], torch.Tensor]) -> 
     n, dim = env.num_envs, env.single_action_space.shape[0]
     success, alive = np.zeros(n, bool), np.ones(n, bool)
     while alive.any():
-        _, _, term, trunc, _ = env.step((draw(n, dim) / env.step_config.noise_bound).clamp(-1, 1).numpy())
+        _, _, term, trunc, _ = env.step((draw(n, dim) / env.config.noise_bound).clamp(-1, 1).numpy())
         success |= term & alive
         alive &= ~(term | trunc)
     return success
@@ -68,7 +68,7 @@ def search(env: FlashRTVectorEnv, k: int, lookahead: int, gen: torch.Generator) 
         hit, ended = np.zeros(n, bool), np.zeros(n, bool)
         for h in range(lookahead):
             a = z if h == 0 else torch.zeros(n, dim)
-            _, reward, term, trunc, _ = env.step((a / env.step_config.noise_bound).clamp(-1, 1).numpy())
+            _, reward, term, trunc, _ = env.step((a / env.config.noise_bound).clamp(-1, 1).numpy())
             steps += n
             score += reward * ~ended
             hit |= term & ~ended
@@ -108,7 +108,7 @@ def main() -> None:
     kw |= task_kwargs(OmegaConf.to_container(OmegaConf.load(TASKS / f"{args.task}.yaml"), resolve=True))
     t = time.perf_counter()
     base = FlashRTVectorEnv(args.episodes, **kw)
-    bound = base.step_config.noise_bound
+    bound = base.config.noise_bound
     baselines: dict[str, Callable[[int, int], torch.Tensor]] = {
         "base_success": lambda n, d: torch.randn(n, d, generator=gen),  # the VLA's own noise law
         "zero_noise_success": lambda n, d: torch.zeros(n, d),  # its mode

@@ -36,7 +36,7 @@ def micro(tmp_path_factory):
     proprio, horizon 8, the task's vocabulary) and one layer of width 64: fast on a CPU."""
     from flashrt.policies import FlowPolicy, save
     from flashrt.policies.config import tiny
-    from flashrt_gym.tasks import TabletopConfig
+    from flashrt_gym.sims.tabletop import TabletopConfig
 
     cfg = replace(
         tiny(TabletopConfig().vocabulary),

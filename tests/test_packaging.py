@@ -93,7 +93,7 @@ def test_entry_points_compose_the_packaged_configs(installed, cmd):
     out = run_installed(installed, *prog).stdout
     assert "seed: 0" in out and "num_envs:" in out
     assert ("split: test" in out) == ("+split=test" in cmd)
-    assert ("_target_: flashrt_gym.graph_sac.GraphSAC" in out) == ("agent=sac" in cmd)
+    assert ("_target_: flashrt_gym.learners.graph_sac.GraphSAC" in out) == ("agent=sac" in cmd)
 
 
 def test_train_help_from_the_wheel(installed):

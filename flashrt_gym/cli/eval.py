@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import replace
 from pathlib import Path
 
 import hydra
@@ -26,10 +25,10 @@ from omegaconf import DictConfig
 from flashrt.runtime import atomic_write
 from flashrt_gym.cli import CONFIGS
 from flashrt_gym.env import FlashRTVectorEnv
-from flashrt_gym.fast_sac import FastSAC
-from flashrt_gym.fast_training import learner_config
+from flashrt_gym.evaluation import evaluate, torch_policy
 from flashrt_gym.splits import eval_seed
-from flashrt_gym.training import check, device_of, evaluate, is_fast, make_env, torch_policy
+from flashrt_gym.training import check, device_of, loop_of, make_env
+from flashrt_gym.training.device_loop import load_learner
 
 Act = Callable[[np.ndarray], np.ndarray]
 
@@ -39,18 +38,17 @@ def load_agent(cfg: DictConfig, checkpoint: str, env: FlashRTVectorEnv) -> Act:
 
     Args:
         cfg: the job's config (its ``agent`` group says which learner wrote the checkpoint).
-        checkpoint: a FastSAC safetensors file, or an SB3 zip (a pickle: trusted files only).
+        checkpoint: a device learner's file (FastSAC's safetensors), or an SB3 zip (a pickle:
+            trusted files only).
         env: the env the policy will act in (its spaces and device).
 
     Returns:
         A function from a batch of observations to a batch of actions.
     """
-    if is_fast(cfg):
+    if loop_of(cfg) == "device":
         (obs_dim,), (act_dim,) = env.single_observation_space.shape, env.single_action_space.shape
-        sac_cfg = replace(learner_config(cfg, 1), buffer_size=1)  # acting only: no replay ring
-        sac = FastSAC(obs_dim, act_dim, 1, sac_cfg, env.device, graphs=False)
-        sac.load(checkpoint)
-        return torch_policy(lambda obs: sac.act(obs, deterministic=True), env.device)
+        learner = load_learner(cfg, checkpoint, obs_dim, act_dim, env.device)
+        return torch_policy(lambda obs: learner.act(obs, deterministic=True), env.device)
     model = get_class(cfg.agent._target_).load(checkpoint, device=device_of(cfg))
     return lambda obs: model.predict(obs, deterministic=True)[0]
 

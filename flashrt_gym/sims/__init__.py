@@ -1,42 +1,32 @@
-"""Simulators on MuJoCo: the tabletop push task, Meta-World, and any Gymnasium MuJoCo env.
+"""The simulators that ship with FlashRT-Gym, each wing in its own folder or module:
 
-- :mod:`flashrt_gym.sims.push`: the task's configuration, the scene's checked layout and the task
-  logic (draws, rewards, success, observation, scripted expert) every backend shares.
-- :mod:`flashrt_gym.sims.mujoco_cpu`: :class:`MujocoPush`, MuJoCo's C library on the CPU, an
-  external simulator (``get_state`` / ``set_state`` of whole slots as bytes).
-- :mod:`flashrt_gym.sims.mujoco_warp`: :class:`WarpPush`, MuJoCo Warp on a GPU, an in-graph
-  simulator whose ticks are recorded into the env's step graph.
-- :mod:`flashrt_gym.sims.render`: a batched top-down renderer of the scene's primitive geoms.
-- :mod:`flashrt_gym.sims.demos`: scripted-expert demonstrations of the push task.
+- :mod:`flashrt_gym.sims.tabletop`: the built-in tabletop, a pure-torch in-graph simulator;
+- :mod:`flashrt_gym.sims.push`: the push task on MuJoCo, on the CPU (:class:`MujocoPush`, external)
+  and on a GPU (:class:`WarpPush`, MuJoCo Warp, in-graph);
 - :mod:`flashrt_gym.sims.metaworld_cpu`: :class:`MetaWorld`, Meta-World's tasks on MuJoCo's C
-  library, an external simulator whose rows :mod:`flashrt_gym.sims.metaworld_state` finds by rule;
-  registered as ``FlashRT-MetaWorld-<task>-v0`` (MT1) and ``FlashRT-MetaWorld-MT10-v0``
-  (``metaworld`` is imported only when one is made); :mod:`flashrt_gym.sims.metaworld_demos`: its
-  scripted-expert demonstrations.
-- :mod:`flashrt_gym.sims.gym_external`: :class:`GymnasiumMujocoSim`, any Gymnasium MuJoCo env as a
-  batched external simulator (bring your own; not registered here).
+  library, an external simulator whose rows :mod:`flashrt_gym.sims.metaworld_state` finds by rule
+  (the tasks and their instructions: :mod:`flashrt_gym.sims.metaworld_tasks`);
+- :mod:`flashrt_gym.sims.gymnasium_mujoco`: :class:`GymnasiumMujocoSim`, any Gymnasium MuJoCo env as
+  a batched external simulator (bring your own; not registered).
 
-Importing this package registers ``FlashRT-MuJoCoPush`` (the CPU simulator) and
-``FlashRT-MuJoCoWarpPush`` (MuJoCo Warp) with Gymnasium (:func:`flashrt_gym.register_simulator`);
-``mujoco``, ``warp`` and ``mujoco_warp`` are imported only when a simulator is made.
+The factories below are the simulators of ``FlashRT-MuJoCoPush``, ``FlashRT-MuJoCoWarpPush`` and
+``FlashRT-MetaWorld-*`` (:mod:`flashrt_gym.registration` registers them); ``mujoco``, ``warp``,
+``mujoco_warp`` and ``metaworld`` are imported only when a simulator is made. Demonstrations of
+these tasks are in :mod:`flashrt_gym.demos`.
 """
 
-import functools
 import importlib
 from collections.abc import Sequence
 from typing import Any
 
-from flashrt_gym import register_simulator
-from flashrt_gym.sims.metaworld_tasks import INSTRUCTIONS as METAWORLD_TASKS
-
 _LAZY = {
-    "MujocoPush": "flashrt_gym.sims.mujoco_cpu",
-    "WarpPush": "flashrt_gym.sims.mujoco_warp",
+    "MujocoPush": "flashrt_gym.sims.push.mujoco_cpu",
+    "WarpPush": "flashrt_gym.sims.push.mujoco_warp",
     "MetaWorld": "flashrt_gym.sims.metaworld_cpu",
-    "PushConfig": "flashrt_gym.sims.push",
-    "PushTask": "flashrt_gym.sims.push",
-    "SCENE": "flashrt_gym.sims.push",
-    "load_scene": "flashrt_gym.sims.push",
+    "PushConfig": "flashrt_gym.sims.push.task",
+    "PushTask": "flashrt_gym.sims.push.task",
+    "SCENE": "flashrt_gym.sims.push.task",
+    "load_scene": "flashrt_gym.sims.push.task",
 }
 
 
@@ -69,11 +59,5 @@ def metaworld(
     ``tasks`` (``"MT10"`` or task names, in runs of ``block`` slots) stepped by ``threads`` CPU threads."""
     return __getattr__("MetaWorld")(num_envs, tasks, threads, image_size, camera, block)
 
-
-register_simulator("FlashRT-MuJoCoPush", mujoco_push)
-register_simulator("FlashRT-MuJoCoWarpPush", warp_push)
-register_simulator("FlashRT-MetaWorld-MT10-v0", functools.partial(metaworld, tasks="MT10"))
-for _task in METAWORLD_TASKS:  # FlashRT-MetaWorld-reach-v0 runs Meta-World's reach-v3 (MT1)
-    register_simulator(f"FlashRT-MetaWorld-{_task.removesuffix('-v3')}-v0", functools.partial(metaworld, tasks=_task))
 
 __all__ = ["metaworld", "mujoco_push", "warp_push", *_LAZY]

@@ -1,6 +1,6 @@
 """Meta-World on MuJoCo's C library: one Meta-World task instance per slot, on the CPU.
 
-An :class:`~flashrt_gym.external.ExternalSimulator` over Meta-World 3's own scenes, rewards and
+An :class:`~flashrt_gym.simulator.ExternalSimulator` over Meta-World 3's own scenes, rewards and
 success rule (``info["success"]``). Slot ``i`` hosts task ``(i // block) % len(tasks)``; each
 episode draws its object and goal positions from the slot's seeded stream (Meta-World's
 ``seeded_rand_vec`` mode: uniform over the task's reset space, the goal visible in the

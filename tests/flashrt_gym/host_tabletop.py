@@ -7,11 +7,11 @@ import numpy as np
 import torch
 
 from flashrt.runtime import BufferSet
-from flashrt_gym.tasks import Tabletop, TabletopConfig
+from flashrt_gym.sims.tabletop import Tabletop, TabletopConfig
 
 
 class HostTabletop:
-    """:class:`~flashrt_gym.external.ExternalSimulator` over a CPU tabletop; a state row is the
+    """:class:`~flashrt_gym.simulator.ExternalSimulator` over a CPU tabletop; a state row is the
     slot's row of the tabletop's own arena, or, with ``drop``, that row with the named buffer's
     bytes left out (a deliberately incomplete state, for the ablation)."""
 

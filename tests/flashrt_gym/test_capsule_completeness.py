@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from flashrt.kernels import rng
-from flashrt_gym import FlashRTVectorEnv, training
+from flashrt_gym import FlashRTVectorEnv, evaluation
 from flashrt_gym.splits import VALIDATION_SEED
 
 
@@ -90,7 +90,7 @@ def test_reseeded_fork_gives_every_destination_a_stream_of_its_own(monkeypatch):
 
 def drawn_starts(split: str) -> np.ndarray:
     """The start observations (state mode: the simulator's drawn positions and instruction) of an
-    8-episode evaluation of ``split``, run in two batches of 4 slots by :func:`training.evaluate`."""
+    8-episode evaluation of ``split``, run in two batches of 4 slots by :func:`evaluation.evaluate`."""
     env = make(4, autoreset=False, max_episode_steps=1)  # the starts are all it needs
     starts, reset = [], env.reset
 
@@ -101,7 +101,7 @@ def drawn_starts(split: str) -> np.ndarray:
 
     env.reset = spy
     zeros = np.zeros((4, *env.single_action_space.shape), np.float32)
-    training.evaluate(env, lambda obs: zeros[: len(obs)], split, 8)
+    evaluation.evaluate(env, lambda obs: zeros[: len(obs)], split, 8)
     env.close()
     return np.concatenate(starts)
 
@@ -116,5 +116,5 @@ def test_evaluation_draws_test_starts_that_validation_never_draws(monkeypatch):
     validation seeds shares all 8 states with validation."""
     val, test = drawn_starts("validation"), drawn_starts("test")
     assert len(test) == 8 and distinct(test) and shared_rows(test, val) == 0
-    monkeypatch.setattr(training, "eval_seed", lambda split, episodes: VALIDATION_SEED)
+    monkeypatch.setattr(evaluation, "eval_seed", lambda split, episodes: VALIDATION_SEED)
     assert shared_rows(drawn_starts("test"), val) == 8

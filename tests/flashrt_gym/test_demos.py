@@ -4,8 +4,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from flashrt_gym.demos import FORMAT, Windows, collect, load_shards, save_shard
-from flashrt_gym.tasks import TabletopConfig
+from flashrt_gym.demos.tabletop import FORMAT, Windows, collect, load_shards, save_shard
+from flashrt_gym.sims.tabletop import TabletopConfig
 
 
 def test_collected_shards_round_trip_and_windows_follow_the_runtime_layout(tmp_path):

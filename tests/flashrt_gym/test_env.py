@@ -42,7 +42,7 @@ def test_make_and_make_vec_give_the_registered_envs_with_batched_spaces():
     assert isinstance(envs, FlashRTVectorEnv) and envs.num_envs == 3
     assert envs.metadata["autoreset_mode"] == AutoresetMode.SAME_STEP
     assert envs.single_action_space.shape == (16,) and envs.action_space.shape == (3, 16)
-    assert envs.single_action_space.high[0] == np.float32(1.0) and envs.step_config.noise_bound == 1.5
+    assert envs.single_action_space.high[0] == np.float32(1.0) and envs.config.noise_bound == 1.5
     obs, info = envs.reset(seed=1)
     assert obs.shape == (3, 15) and obs.dtype == np.float32 and obs in envs.observation_space
     assert info["instruction"].shape == (3,)

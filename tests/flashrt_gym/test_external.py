@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from flashrt_gym import FlashRTVectorEnv
-from flashrt_gym.external import ExternalSimulator
+from flashrt_gym.engine.host_link import NO_HOST_LINK, HostLink, Mirror, NoHostLink
+from flashrt_gym.simulator import ExternalSimulator
 from tests.flashrt_gym.host_tabletop import HostTabletop
 
 
@@ -42,6 +43,18 @@ class LateHostTabletop(HostTabletop):
 
 def test_the_host_tabletop_meets_the_protocol():
     assert isinstance(HostTabletop(2), ExternalSimulator)
+
+
+def test_the_engine_hands_off_through_one_link_chosen_at_construction():
+    """Every verb's host hand-off is a HostLink method: the mirror for an external simulator, the
+    no-op link for an in-graph one (whose verbs then run no host code at all)."""
+    hand_offs = [n for n in vars(HostLink) if n.startswith("host_")]
+    assert hand_offs == ["host_start", "host_restore", "host_fork", "host_reseed", "host_set_instruction"]
+    for link in (NoHostLink, Mirror):
+        assert all(callable(getattr(link, n, None)) for n in hand_offs), link
+    host, in_graph = external(2), FlashRTVectorEnv(2, device="cpu")
+    assert host.engine.link is host.engine.mirror and isinstance(host.engine.mirror, Mirror)
+    assert in_graph.engine.link is NO_HOST_LINK and in_graph.engine.mirror is None
 
 
 def test_the_external_path_equals_the_in_graph_path_through_autoresets():

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from torch.distributions import Normal, TanhTransform
 
-from flashrt_gym.fast_sac import FastSAC, FastSACConfig
+from flashrt_gym.learners.fast_sac import FastSAC, FastSACConfig
 
 OBS, ACT, N = 3, 2, 4
 CFG = FastSACConfig(hidden=(8, 8), batch_size=16, buffer_size=32, updates_per_step=1, init_alpha=0.5)
@@ -105,9 +105,9 @@ def test_update_is_sac_term_for_term(gamma):
     for name, ref in want.items():
         torch.testing.assert_close(sac.bufs[name], ref, rtol=1e-5, atol=1e-6, msg=name)
     assert not torch.allclose(sac.bufs["grad.critic.net.0.weight"], wrong["grad.critic.net.0.weight"])
-    stats = sac.read_stats()
+    stats = sac.stats()
     assert set(stats) == {"critic_loss", "actor_loss", "alpha", "entropy", "q"} and stats["alpha"] == pytest.approx(0.5)
-    assert sac.read_stats() == {}  # read and cleared
+    assert sac.stats() == {}  # read and cleared
 
 
 def test_one_update_call_runs_updates_per_step_whole_steps():
@@ -235,4 +235,4 @@ def test_captured_update_equals_eager_and_capture_changes_nothing():
         sac.update()
     for n in graph.bufs.names("shared"):
         torch.testing.assert_close(graph.bufs[n], eager.bufs[n], rtol=1e-4, atol=1e-5, msg=n)
-    assert not math.isnan(graph.read_stats()["critic_loss"])
+    assert not math.isnan(graph.stats()["critic_loss"])

@@ -12,7 +12,7 @@ from stable_baselines3.common.buffers import ReplayBuffer
 from stable_baselines3.common.logger import configure
 from stable_baselines3.common.type_aliases import ReplayBufferSamples
 
-from flashrt_gym.graph_sac import DeviceReplayBuffer, GraphSAC, LayerNormSACPolicy
+from flashrt_gym.learners.graph_sac import DeviceReplayBuffer, GraphSAC, LayerNormSACPolicy
 from flashrt_gym.sb3 import SB3VecEnv
 
 OBS, ACT = spaces.Box(-1, 1, (3,), np.float32), spaces.Box(-1, 1, (2,), np.float32)

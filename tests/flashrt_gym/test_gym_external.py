@@ -17,11 +17,10 @@ pytest.importorskip("mujoco", reason="the adapter needs the mujoco extra")
 import mujoco
 
 import flashrt_gym
-from flashrt_gym.external import ExternalSimulator, _members, check_simulator, missing_members
-from flashrt_gym.sims.gym_external import GymnasiumMujocoSim, default_instruction
-from flashrt_gym.sims.mujoco_cpu import MujocoPush
-from flashrt_gym.simulator import Simulator
-from flashrt_gym.tasks import Tabletop
+from flashrt_gym.sims.gymnasium_mujoco import GymnasiumMujocoSim, default_instruction
+from flashrt_gym.sims.push.mujoco_cpu import MujocoPush
+from flashrt_gym.sims.tabletop import Tabletop
+from flashrt_gym.simulator import ExternalSimulator, Simulator, check_simulator, missing_members, protocol_members
 from tests.flashrt_gym.host_tabletop import HostTabletop
 
 N = 3
@@ -324,7 +323,7 @@ def test_bad_rows_and_options_are_refused_before_anything_moves():
 # -- the protocol check --------------------------------------------------------------------------
 def lacking(sim: object, protocol: type, name: str) -> types.SimpleNamespace:
     """``sim``'s protocol members, bound, except ``name`` (the mutation)."""
-    attrs, methods = _members(protocol)
+    attrs, methods = protocol_members(protocol)
     return types.SimpleNamespace(**{n: getattr(sim, n) for n in attrs + methods if n != name})
 
 
@@ -335,7 +334,7 @@ def test_check_names_every_missing_member():
     check_simulator(good)
     for sim in (MujocoPush(2), HostTabletop(2), Tabletop(), Tabletop, MujocoPush):
         check_simulator(sim)
-    attrs, methods = _members(ExternalSimulator)
+    attrs, methods = protocol_members(ExternalSimulator)
     check_simulator(types.SimpleNamespace(**{n: getattr(good, n) for n in attrs + methods}))
     for name in attrs + methods:
         sim = lacking(good, ExternalSimulator, name)
@@ -348,7 +347,7 @@ def test_check_names_every_missing_member():
     named = str(e.value).split("lacks ")[1].split(". ")[0].split(", ")
     assert len(named) == 13 and set(named) == set(attrs + methods) - set(before)
     tabletop = Tabletop()
-    in_graph = types.SimpleNamespace(**{n: getattr(Tabletop, n, None) for n in _members(Simulator)[1]})
+    in_graph = types.SimpleNamespace(**{n: getattr(Tabletop, n, None) for n in protocol_members(Simulator)[1]})
     with pytest.raises(TypeError, match=r"not a complete flashrt_gym\.simulator\.Simulator: it lacks instructions, "):
         check_simulator(in_graph)
     assert missing_members(tabletop) == (Simulator, [])

@@ -15,10 +15,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from flashrt.policies import load
-from flashrt_gym.demos import Windows
-from flashrt_gym.demos import save_shard as save_tabletop_shard
-from flashrt_gym.sims import metaworld_cpu
-from flashrt_gym.sims.metaworld_demos import (
+from flashrt_gym.demos.metaworld import (
     MetaWorldTask,
     collect_batch,
     episodes_per_task,
@@ -26,8 +23,11 @@ from flashrt_gym.sims.metaworld_demos import (
     load_shards,
     save_shard,
 )
+from flashrt_gym.demos.tabletop import Windows
+from flashrt_gym.demos.tabletop import save_shard as save_tabletop_shard
+from flashrt_gym.sims import metaworld_cpu
+from flashrt_gym.sims.tabletop import TabletopConfig
 from flashrt_gym.splits import TEST_SEED, VALIDATION_SEED, demo_seed, train_seed
-from flashrt_gym.tasks import TabletopConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 TASK = MetaWorldTask(("reach-v3", "button-press-topdown-v3"))

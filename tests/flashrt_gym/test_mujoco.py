@@ -11,9 +11,9 @@ import torch
 
 from flashrt.runtime import BufferSet
 from flashrt_gym.sims import SCENE, MujocoPush, PushConfig, load_scene
-from flashrt_gym.sims.mujoco_cpu import STATE_SIG, TASK_FIELDS
-from flashrt_gym.tasks import GOALS, Tabletop, TabletopConfig
-from flashrt_gym.tasks.tabletop import COLORS, EE_COLOR, GOAL_COLOR
+from flashrt_gym.sims.push.mujoco_cpu import STATE_SIG, TASK_FIELDS
+from flashrt_gym.sims.tabletop import GOALS, Tabletop, TabletopConfig
+from flashrt_gym.sims.tabletop.tabletop import COLORS, EE_COLOR, GOAL_COLOR
 
 
 def make(n: int, seed: int = 0, **table) -> MujocoPush:

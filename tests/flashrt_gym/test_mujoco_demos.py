@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from flashrt.policies import load
-from flashrt_gym.demos import Windows, load_shards, save_shard
+from flashrt_gym.demos.push import collect, collect_batch, push_config
+from flashrt_gym.demos.push import save_shard as save_push_shard
+from flashrt_gym.demos.tabletop import Windows, load_shards, save_shard
 from flashrt_gym.sims import MujocoPush, PushConfig
-from flashrt_gym.sims.demos import collect, collect_batch, push_config
-from flashrt_gym.sims.demos import save_shard as save_push_shard
+from flashrt_gym.sims.tabletop import TabletopConfig
 from flashrt_gym.splits import demo_seed
-from flashrt_gym.tasks import TabletopConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from flashrt_gym import FlashRTVectorEnv
-from flashrt_gym.external import ExternalSimulator, is_external
 from flashrt_gym.sims import MujocoPush, mujoco_push
-from flashrt_gym.tasks import TabletopConfig
+from flashrt_gym.sims.tabletop import TabletopConfig
+from flashrt_gym.simulator import ExternalSimulator, is_external
 
 
 class QposQvelPush(MujocoPush):

@@ -18,11 +18,10 @@ pytest.importorskip("mujoco_warp")
 
 from flashrt import runtime
 from flashrt_gym import FlashRTVectorEnv
-from flashrt_gym.external import is_external
 from flashrt_gym.sims import MujocoPush, PushConfig, WarpPush
-from flashrt_gym.sims.mujoco_warp import state_offsets
-from flashrt_gym.sims.warp_api import warp_api
-from flashrt_gym.simulator import Simulator
+from flashrt_gym.sims.push.mujoco_warp import state_offsets
+from flashrt_gym.sims.push.warp_api import warp_api
+from flashrt_gym.simulator import Simulator, is_external
 
 CUDA = pytest.param(
     "cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

@@ -5,7 +5,7 @@ from flashrt.policies import load, tiny
 from flashrt_gym.assets import TINY, TINY_MUJOCO, load_pretrained
 from flashrt_gym.env import FlashRTVectorEnv
 from flashrt_gym.evaluation import VALIDATION_SEED, base_policy
-from flashrt_gym.tasks import TabletopConfig
+from flashrt_gym.sims.tabletop import TabletopConfig
 
 
 def test_shipped_policy_loads_by_default_and_fits_the_task():

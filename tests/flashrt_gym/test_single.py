@@ -77,8 +77,8 @@ def test_the_time_limit_ends_an_episode_on_the_envs_own_step_once(make, micro):
     short = make(max_episode_steps=3)  # a shorter TimeLimit; the env's own count restarts at each reset
     assert [len(episode(short, s, 60)) for s in (0, None)] == [3, 3]
     vec = gym.make_vec("FlashRT-VLA", 2, vectorization_mode="vector_entry_point", device="cpu", weights=micro)
-    assert vec.step_config.max_episode_steps == 40
-    assert FlashRTEnv(device="cpu", weights=micro, max_episode_steps=50).vec.step_config.max_episode_steps == 50
+    assert vec.config.max_episode_steps == 40
+    assert FlashRTEnv(device="cpu", weights=micro, max_episode_steps=50).vec.config.max_episode_steps == 50
 
 
 @pytest.mark.skipif(importlib.util.find_spec("mujoco_warp") is not None, reason="MuJoCo Warp is installed here")

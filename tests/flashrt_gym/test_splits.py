@@ -10,6 +10,7 @@ from flashrt.kernels import rng
 from flashrt.runtime import BufferSet
 from flashrt_gym.evaluation import TEST_SEED, VALIDATION_SEED
 from flashrt_gym.sims import MujocoPush, PushConfig
+from flashrt_gym.sims.tabletop import Tabletop, TabletopConfig
 from flashrt_gym.splits import (
     DEMO_SEED,
     DEMO_STRIDE,
@@ -22,7 +23,6 @@ from flashrt_gym.splits import (
     eval_seed,
     train_seed,
 )
-from flashrt_gym.tasks import Tabletop, TabletopConfig
 
 
 def ranges(num_envs: int, world: int, runs: list[int]) -> list[tuple[int, int]]:

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from flashrt.runtime import BufferSet, Graph
-from flashrt_gym.tasks import COLORS, Tabletop, TabletopConfig
+from flashrt_gym.sims.tabletop import COLORS, Tabletop, TabletopConfig
 
 
 def make(n: int = 64, device: str = "cpu", seed: int = 0, **cfg) -> tuple[Tabletop, BufferSet]:

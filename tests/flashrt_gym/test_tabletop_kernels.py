@@ -13,8 +13,8 @@ import torch
 
 from flashrt import kernels
 from flashrt.runtime import BufferSet
-from flashrt_gym.tasks import Tabletop, TabletopConfig, tabletop_kernels
-from flashrt_gym.tasks.tabletop_kernels import render_triton, reset_triton, ticks_triton
+from flashrt_gym.sims.tabletop import Tabletop, TabletopConfig, triton_kernels
+from flashrt_gym.sims.tabletop.triton_kernels import render_triton, reset_triton, ticks_triton
 from tests.kernels.kernel_devices import DEVICES
 
 STATE = ("sim.ee", "sim.obj", "sim.obj_vel")
@@ -69,7 +69,7 @@ def ticks_match(b: BufferSet, ref: BufferSet, rewards, ref_rewards) -> bool:
 def test_chunk_of_ticks_matches_the_reference(device, objects, n, cpu_n, monkeypatch):
     if device == "cpu":  # the interpreter runs every program in Python: both launch shapes over a stand-in of 8 SMs
         n = cpu_n
-        monkeypatch.setattr(tabletop_kernels, "sm_count", lambda _: 8)
+        monkeypatch.setattr(triton_kernels, "sm_count", lambda _: 8)
     task, b = state(device, n, objects, seed=len(objects))
     assert b["sim.success"].any() and not b["sim.success"].all()  # frozen and live slots both
     g = torch.Generator(device=device).manual_seed(1)

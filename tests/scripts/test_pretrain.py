@@ -14,8 +14,8 @@ from safetensors.torch import load_file
 
 from flashrt.policies import FlowPolicy, load
 from flashrt_gym.assets import TINY
-from flashrt_gym.demos import collect, save_shard
-from flashrt_gym.tasks import TabletopConfig
+from flashrt_gym.demos.tabletop import collect, save_shard
+from flashrt_gym.sims.tabletop import TabletopConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -10,22 +10,12 @@ import matplotlib.pyplot as plt
 import pytest
 from hydra import compose, initialize_config_dir
 
-import flashrt_gym.training as training
 from flashrt_gym.cli import train as cli_train
+from flashrt_gym.evaluation import EvalResult
 from flashrt_gym.splits import SPLITS, TRAIN_STRIDE
-from flashrt_gym.training import (
-    ConfigError,
-    EvalResult,
-    Progress,
-    RunLog,
-    build_agent,
-    check,
-    is_fast,
-    make_env,
-    sb3_replay_path,
-    success_interval,
-    train,
-)
+from flashrt_gym.training import ConfigError, check, loop_of, make_env, runlog, setup, train
+from flashrt_gym.training.runlog import Progress, RunLog, success_interval
+from flashrt_gym.training.sb3_loop import build_agent, sb3_replay_path
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = str(ROOT / "configs")
@@ -50,7 +40,7 @@ def config(*overrides: str):
         ["agent=sac"],
         ["agent=ppo"],
         ["agent=sac_sb3"],
-        ["agent=sac", "agent.policy=flashrt_gym.graph_sac.LayerNormSACPolicy"],
+        ["agent=sac", "agent.policy=flashrt_gym.learners.graph_sac.LayerNormSACPolicy"],
         ["agent=sac", "env=residual"],
         ["agent=sac", "runtime=eager", "runtime.device=cpu"],
         ["agent=sac", "logger=none"],
@@ -68,11 +58,11 @@ def test_every_sb3_config_composes_and_instantiates(overrides):
 
 
 def test_presets_compose_and_the_default_is_the_fast_learner():
-    for overrides, fast in ((["experiment=quick"], True), (["experiment=dsrl_sac"], False), ([], True)):
+    for overrides, loop in ((["experiment=quick"], "device"), (["experiment=dsrl_sac"], "sb3"), ([], "device")):
         with initialize_config_dir(config_dir=CONFIGS, version_base="1.3"):
             cfg = compose(config_name="train", overrides=overrides)
         check(cfg)
-        assert is_fast(cfg) == fast
+        assert loop_of(cfg) == loop
     with initialize_config_dir(config_dir=CONFIGS, version_base="1.3"):
         cfg = compose(config_name="train", overrides=["runtime.device=cpu"])
     check(cfg)  # auto budgets: the CPU column
@@ -93,7 +83,7 @@ def test_presets_compose_and_the_default_is_the_fast_learner():
         ("eval.every=-1", "eval.every"),
         ("runtime.device=tpu", "runtime.device"),
         ("agent._target_=stable_baselines3.NOPE", "agent._target_"),
-        ("agent=sac,agent.policy=flashrt_gym.graph_sac.NopePolicy", "agent.policy"),
+        ("agent=sac,agent.policy=flashrt_gym.learners.graph_sac.NopePolicy", "agent.policy"),
         ("+agent.learning_rate=0.1", "agent"),
         ("+agent.kwargs.nope=1", "agent.kwargs"),
         ("agent.kwargs.gamma=1.5", "agent.kwargs"),
@@ -115,7 +105,7 @@ def test_sb3_end_to_end_then_resume_then_eval(tmp_path, micro):
     logged = (first / "train.log").read_text()  # Hydra's log file holds the run, not only the console
     assert "GraphSAC on cpu: 2 slots" in logged and "[16 env steps" in logged and "validation success" in logged
     assert "base policy success" in logged and "(Wilson 95% intervals)" in logged
-    assert logged.splitlines()[0].endswith(training.CPU_NOTE)  # the first line says what a CPU run shows
+    assert logged.splitlines()[0].endswith(setup.CPU_NOTE)  # the first line says what a CPU run shows
     summary = json.loads((first / "summary.json").read_text())
     assert summary["env_steps"] >= 16 and 0 <= summary["success"] <= 1
     for name in (
@@ -249,10 +239,10 @@ def test_wall_times_count_from_the_given_launch_and_the_summary_has_intervals(tm
     check(cfg)
     base = {"validation": EvalResult(0.25, 1.0, 2), "test": EvalResult(0.5, 2.0, 4)}
     log = RunLog(cfg, tmp_path, 100.0, base)
-    monkeypatch.setattr(training.time, "time", lambda: 130.0)
+    monkeypatch.setattr(runlog.time, "time", lambda: 130.0)
     assert log.point(8, "validation", EvalResult(0.5, 1.5, 2))["wall_s"] == 30.0
     log.point(16, "test", EvalResult(0.75, 2.5, 4))
-    summary = training.summarize(cfg, log, 16, 10.0, 16)
+    summary = runlog.summarize(cfg, log, 16, 10.0, 16)
     assert summary["wall_s"] == 30.0 and summary["test_episodes"] == 4
     assert summary["success_ci95"] == success_interval(0.75, 4) and summary["base_success_ci95"] == success_interval(
         0.5, 4
@@ -278,7 +268,7 @@ def test_success_interval_is_wilsons():
 
 def test_progress_bar_under_a_time_limit_aims_at_the_steps_the_rate_reaches(monkeypatch):
     now = [1000.0]
-    monkeypatch.setattr(training.time, "time", lambda: now[0])
+    monkeypatch.setattr(runlog.time, "time", lambda: now[0])
     bar = Progress(total=100_000, initial=0, stop_at=1100.0)
     now[0] = 1010.0
     bar.update(500)  # 50 env steps/s, 90 s left: 4 500 more
@@ -293,10 +283,10 @@ def test_progress_bar_under_a_time_limit_aims_at_the_steps_the_rate_reaches(monk
 def test_a_time_limit_that_includes_the_evaluation_stops_training_early_enough_for_it():
     cfg = config("time_limit_s=600", "time_limit_includes_eval=true")
     check(cfg)
-    assert training.deadline(cfg, 100.0, final_eval_s=250.0) == 450.0
+    assert runlog.deadline(cfg, 100.0, final_eval_s=250.0) == 450.0
     cfg.time_limit_includes_eval = False
-    assert training.deadline(cfg, 100.0, final_eval_s=250.0) == 700.0
+    assert runlog.deadline(cfg, 100.0, final_eval_s=250.0) == 700.0
     cfg.time_limit_s = None
-    assert training.deadline(cfg, 100.0, final_eval_s=250.0) is None
+    assert runlog.deadline(cfg, 100.0, final_eval_s=250.0) is None
     with pytest.raises(ConfigError, match="config key 'time_limit_includes_eval'"):
         check(config("time_limit_includes_eval=7"))

@@ -1,7 +1,7 @@
 """The tabletop push task on a MuJoCo scene: its configuration, the scene's checked layout, and
 the task logic that every backend of the scene shares.
 
-The task is the built-in tabletop's (:mod:`flashrt_gym.tasks.tabletop`): the same twelve
+The task is the built-in tabletop's (:mod:`flashrt_gym.sims.tabletop.tabletop`): the same twelve
 instructions with the same three held out, the same per-slot counter-based episode draws (so a
 seed gives the same instruction and the same start positions in both), the same dense and
 sparse rewards and the same success rule (the named object's centre within ``goal_radius`` of
@@ -10,7 +10,7 @@ physics: the objects are rigid bodies with mass and friction that slide, spin an
 a push must be planned (approach side, pushing direction) and corrected as the object turns.
 
 The logic here is torch over positions (any device, any float dtype), so the CPU backend
-(:mod:`flashrt_gym.sims.mujoco_cpu`) and the GPU one (:mod:`flashrt_gym.sims.mujoco_warp`) run
+(:mod:`flashrt_gym.sims.push.mujoco_cpu`) and the GPU one (:mod:`flashrt_gym.sims.push.mujoco_warp`) run
 the same code around their physics.
 """
 
@@ -28,9 +28,9 @@ import numpy as np
 import torch
 
 from flashrt.kernels.rng import uniform
-from flashrt_gym.tasks.tabletop import GOALS, TabletopConfig
+from flashrt_gym.sims.tabletop.tabletop import GOALS, TabletopConfig
 
-SCENE = Path(__file__).resolve().parents[1] / "assets" / "mujoco" / "push.xml"
+SCENE = Path(__file__).resolve().parents[2] / "assets" / "mujoco" / "push.xml"
 """The shipped MJCF scene (three objects, four goals, a slide-joint end-effector)."""
 
 _TOL = 1e-6

@@ -1,9 +1,5 @@
-"""Demonstrations from the scripted expert, as safetensors shards, and the windows BC trains on.
-
-A shard holds the ticks of whole episodes, concatenated: ``image`` (T, H, W, 3) uint8 seen
-before acting, ``proprio`` (T, 2), ``action`` (T, 2) executed, ``instruction`` (T,) int64,
-``episode`` (T,) int64 and ``tick`` (T,) int64 (0 at each episode's first tick), plus the task
-configuration and instruction texts as metadata.
+"""The built-in tabletop's demonstrations: the scripted expert's episodes as shards
+(:mod:`flashrt_gym.demos`), and :class:`Windows`, the windows BC trains on.
 """
 
 from __future__ import annotations
@@ -19,10 +15,9 @@ from safetensors import safe_open
 from safetensors.torch import save as save_bytes
 
 from flashrt.runtime import BufferSet, atomic_write
+from flashrt_gym.demos import FORMAT
+from flashrt_gym.sims.tabletop import Tabletop, TabletopConfig
 from flashrt_gym.splits import demo_seed
-from flashrt_gym.tasks import Tabletop, TabletopConfig
-
-FORMAT = "flashrt-demos/1"
 
 
 def collect(
@@ -125,7 +120,7 @@ def load_shards(folder: str | os.PathLike) -> tuple[dict[str, torch.Tensor], Tab
     except TypeError as e:  # another simulator's shards (Meta-World's task is no tabletop configuration)
         raise ValueError(
             f"the shards in {folder} hold no tabletop task configuration ({e}): shards of another simulator "
-            "load with that simulator's load_shards (flashrt_gym.sims.metaworld_demos for Meta-World)"
+            "load with that simulator's load_shards (flashrt_gym.demos.metaworld for Meta-World)"
         ) from e
     return data, task
 

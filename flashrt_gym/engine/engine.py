@@ -22,9 +22,9 @@ buffers) before its first byte is copied.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
 
 import numpy as np
 import torch
@@ -34,39 +34,9 @@ from flashrt.kernels import rng
 from flashrt.policies import FlowPolicy, InstructionTable, PolicyConfig, PolicyPipeline, deployment_digest, policy_specs
 from flashrt.runtime import BufferSpec, Capsule, Graph, scratch, slot
 from flashrt.runtime.views import bind_views
-from flashrt_gym.external import ExternalSimulator, Mirror, check_simulator, is_external
-from flashrt_gym.simulator import Simulator
-
-ObsForm = Literal["state", "features", "rgb"]
-OBS_FORMS: tuple[ObsForm, ...] = ("state", "features", "rgb")
-
-
-@dataclass(frozen=True)
-class StepConfig:
-    """The static options of a step (they shape its buffers and its captured graph).
-
-    Args:
-        action_mode: ``"noise"`` (the action scaled by ``noise_bound`` is the policy's initial
-            noise) or ``"residual"`` (the policy draws its own noise; the action scaled by
-            ``residual_scale`` is added to its chunk).
-        reward_mode: ``"dense"`` or ``"sparse"``.
-        noise_bound, residual_scale: see ``action_mode``.
-        repeat_over_horizon: the action is one ``action_dim`` vector repeated over the chunk.
-        n_action_steps: actions of each chunk the simulator executes per step.
-        max_episode_steps: steps after which an episode is truncated.
-        obs_forms: the observation forms a step writes (a subset of :data:`OBS_FORMS`).
-        autoreset: finished slots start their next episode inside the same step.
-    """
-
-    action_mode: Literal["noise", "residual"] = "noise"
-    reward_mode: Literal["dense", "sparse"] = "dense"
-    noise_bound: float = 1.5
-    residual_scale: float = 0.5
-    repeat_over_horizon: bool = False
-    n_action_steps: int = 4
-    max_episode_steps: int = 40
-    obs_forms: tuple[ObsForm, ...] = ("state",)
-    autoreset: bool = True
+from flashrt_gym.engine.host_link import NO_HOST_LINK, HostLink, Mirror
+from flashrt_gym.env_config import EnvConfig
+from flashrt_gym.simulator import ExternalSimulator, Simulator, check_simulator, is_external
 
 
 @dataclass(frozen=True)
@@ -117,7 +87,8 @@ class Engine:
         model: the policy weights, on the device the engine runs on.
         weights_id: identifies the weights (a file hash) for the deployment digest.
         num_slots: parallel episodes.
-        cfg: the step's static options.
+        cfg: the env's step options (they shape the buffers and the captured programs).
+        autoreset: finished slots start their next episode inside the same step.
         backend: graph backend (``"auto"``: CUDA graphs on a GPU, eager on the CPU).
     """
 
@@ -127,16 +98,20 @@ class Engine:
         model: FlowPolicy,
         weights_id: str,
         num_slots: int,
-        cfg: StepConfig,
+        cfg: EnvConfig,
         *,
+        autoreset: bool = True,
         backend: runtime.graphs.Backend = "auto",
     ) -> None:
         c = model.cfg
         check_simulator(sim)
         self.mirror = Mirror(sim) if is_external(sim) else None
+        """The external simulator's device mirror, or None for an in-graph simulator."""
+        self.link: HostLink = self.mirror or NO_HOST_LINK
+        """Where each verb hands off to the simulator's host side (nothing for an in-graph one)."""
         sim = self.mirror or sim
         _check_fit(sim, c, cfg)
-        self.sim, self.cfg = sim, cfg
+        self.sim, self.cfg, self.autoreset = sim, cfg, autoreset
         device = next(model.parameters()).device
         identity = f"{sim.identity()}|n_action_steps={cfg.n_action_steps}|max_episode_steps={cfg.max_episode_steps}"
         digest = deployment_digest(model, weights_id + identity)
@@ -161,6 +136,11 @@ class Engine:
         self.output_layout = {n: (self.bufs.placements[n].offset - lo, self.bufs.placements[n].spec) for n in names}
         """Where each output lies in :attr:`output_span`: byte offset and spec."""
         self.graph = Graph("env.step", backend=backend, max_variants=2).bind(self.bufs)
+        # the step plan, chosen once: one captured program, or two around the host's ticks
+        self._launch = (
+            self._launch_in_graph if self.mirror is None else functools.partial(self._launch_with_host, self.mirror)
+        )
+        self._guarded = "step" if self.mirror is None else "act"
 
     def _io_specs(self, c: PolicyConfig, n: int) -> list[BufferSpec]:
         """The step's scratch buffers, outputs last and back to back."""
@@ -171,7 +151,7 @@ class Engine:
             "features": ((c.width + self.sim.proprio_dim,), torch.float32),
             "rgb": ((c.image_size, c.image_size, 3), torch.uint8),
         }
-        prefixes = ("obs", "final") if cfg.autoreset else ("obs",)
+        prefixes = ("obs", "final") if self.autoreset else ("obs",)
         return [
             scratch("env.in.action", (n, agent_dim)),
             scratch("env.in.action_ok", (1,), torch.bool),
@@ -180,7 +160,7 @@ class Engine:
             scratch("env.out.reward", (n,)),
             scratch("env.out.terminated", (n,), torch.bool),
             scratch("env.out.truncated", (n,), torch.bool),
-            *([scratch("env.out.done", (n,), torch.bool)] if cfg.autoreset else []),
+            *([scratch("env.out.done", (n,), torch.bool)] if self.autoreset else []),
             *(
                 scratch(f"env.{p}.{form}", (n, *shapes[form][0]), shapes[form][1])
                 for p in prefixes
@@ -264,7 +244,7 @@ class Engine:
         self.episode.steps.add_(1)
         out.terminated.copy_(sim.success)
         torch.bitwise_and(self.episode.steps >= cfg.max_episode_steps, ~sim.success, out=out.truncated)
-        if cfg.autoreset:
+        if self.autoreset:
             torch.logical_or(out.terminated, out.truncated, out=out.done)
             final = self.final
             if final.features is not None or final.rgb is not None:  # the last frame, rendered
@@ -297,8 +277,7 @@ class Engine:
         the seed alone); without, each slot draws the next episode of its stream. Then the
         episode is drawn, its instruction set, its first frame encoded, observations written."""
         saved = None if mask is None else self.bufs.slot_arena.clone()
-        if self.mirror is not None:
-            self.mirror.host_start(seeds, mask)
+        self.link.host_start(seeds, mask)
         if seeds is not None:
             self.sim.seed(seeds)
             p = self.policy.state
@@ -316,11 +295,17 @@ class Engine:
         graph. The step runs only where every action is in bounds: :meth:`held` says whether it
         did."""
         self.inputs.action.copy_(actions, non_blocking=True)  # from a device tensor or page-locked staging
-        if self.mirror is None:
-            if "step" not in self.graph:
-                self.graph.capture("step", self.program, guard=self._guard)
-            self.graph.replay("step")
-            return
+        self._launch()
+
+    def _launch_in_graph(self) -> None:
+        """An in-graph simulator's step: one replay of the captured program."""
+        if "step" not in self.graph:
+            self.graph.capture("step", self.program, guard=self._guard)
+        self.graph.replay("step")
+
+    def _launch_with_host(self, mirror: Mirror) -> None:
+        """An external simulator's step: the act graph, the host's ticks (through ``mirror``), the
+        finish graph."""
         if "act" not in self.graph:
             self.graph.capture("act", self._act, guard=self._guard)
             self.graph.capture("finish", self._finish)
@@ -328,7 +313,7 @@ class Engine:
         if not self.held():
             return
         cfg = self.cfg
-        rewards = self.mirror.host_step(self.inputs.chunk, self.episode.steps, cfg.max_episode_steps, cfg.autoreset)
+        rewards = mirror.host_step(self.inputs.chunk, self.episode.steps, cfg.max_episode_steps, self.autoreset)
         for dst, src in zip(self._rewards(), rewards, strict=True):
             dst.copy_(torch.from_numpy(np.ascontiguousarray(src, dtype=np.float32)))
         self.graph.replay("finish")
@@ -342,7 +327,7 @@ class Engine:
 
     def held(self) -> bool:
         """Whether the last launch's actions were in bounds (its step ran); waits for the guard."""
-        return self.graph.held("act" if self.mirror is not None else "step")
+        return self.graph.held(self._guarded)
 
     def read_outputs(self, device: torch.device | str | None = None) -> dict[str, torch.Tensor]:
         """Copies of the step's outputs and observations, made by one copy of :attr:`output_span`
@@ -363,10 +348,8 @@ class Engine:
     def set_instruction(self, index: int, slots: torch.Tensor | None) -> None:
         """Give ``slots`` (all if None) the instruction ``index`` and its keys/values."""
         instr = self.sim.instruction
-        if self.mirror is not None:
-            self.mirror.host.set_instruction(index, None if slots is None else slots.cpu().numpy())
-            self.mirror.host_refresh()
-        elif slots is None:
+        self.link.host_set_instruction(index, slots)  # the host refuses a bad index before anything changes
+        if slots is None:
             instr.fill_(index)
         else:
             instr[slots] = index
@@ -398,8 +381,7 @@ class Engine:
         capsule itself and skips it); observations written."""
         if check:
             self.check(capsule)
-        if self.mirror is not None:  # the host first: it refuses a bad row before anything moves
-            self.mirror.host_write(capsule.slots if slots is None else slots, capsule.tensor("sim.state"))
+        self.link.host_restore(capsule.slots if slots is None else slots, capsule)  # the host first: it refuses
         runtime.restore(self.bufs, capsule, slots)
         self._write(self.obs)
 
@@ -407,8 +389,7 @@ class Engine:
         """Return to an earlier boundary of this same buffer set; observations written."""
         if capsule.origin != self.bufs.uid:
             runtime.rollback(self.bufs, capsule)  # refuses it, naming the mistake
-        if self.mirror is not None:
-            self.mirror.host_write(capsule.slots, capsule.tensor("sim.state"))
+        self.link.host_restore(capsule.slots, capsule)
         runtime.rollback(self.bufs, capsule)
         self._write(self.obs)
 
@@ -416,27 +397,20 @@ class Engine:
         """Copy slot ``src``'s boundary into ``dst``; with ``reseed`` each destination gets its
         own random streams (policy noise, later episodes). Observations written."""
         runtime.fork(self.bufs, src, dst)
-        if self.mirror is not None:
-            self.mirror.host_write(dst, self.mirror.state.state[src : src + 1].expand(len(dst), -1))
+        self.link.host_fork(src, dst)
         if reseed:
             idx = torch.tensor(list(dst), device=self.device)
             for key in (self.policy.state.rng_key, self.sim.rng_key):
                 key[idx] = rng.reseed(key[idx], idx)
-            if self.mirror is not None:
-                self.mirror.host.seed(self.sim.rng_key[idx].cpu().numpy(), np.asarray(dst))
-                self.mirror.host_refresh()
+            self.link.host_reseed(idx, dst)
         self._write(self.obs)
 
 
-def _check_fit(sim: Simulator, c: PolicyConfig, cfg: StepConfig) -> None:
-    """Refuse a policy, simulator and step that cannot run together, naming the mismatch."""
+def _check_fit(sim: Simulator, c: PolicyConfig, cfg: EnvConfig) -> None:
+    """Refuse a policy, simulator and step that cannot run together, naming the mismatch (the
+    config's own values were checked when it was made)."""
     if not 1 <= cfg.n_action_steps <= c.horizon:
         raise ValueError(f"n_action_steps must be in [1, horizon={c.horizon}], got {cfg.n_action_steps}")
-    if cfg.max_episode_steps < 1:
-        raise ValueError(f"max_episode_steps must be >= 1, got {cfg.max_episode_steps}")
-    unknown = [f for f in cfg.obs_forms if f not in OBS_FORMS]
-    if unknown or not cfg.obs_forms:
-        raise ValueError(f"obs_forms must be a non-empty subset of {OBS_FORMS}, got {cfg.obs_forms}")
     wants = {
         "num_cameras": (c.num_cameras, sim.num_cameras, "equal"),
         "image_size": (c.image_size, sim.image_size, "equal"),

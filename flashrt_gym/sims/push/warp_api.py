@@ -1,0 +1,116 @@
+"""MuJoCo Warp's side of :class:`flashrt_gym.sims.WarpPush`: the Warp module and the task's Warp
+kernels (imported lazily, on first use), and the allocator that serves MuJoCo Warp's temporaries
+from torch's caching allocator while it runs on the torch stream (inside a torch capture: from
+the graph's memory pool)."""
+
+from __future__ import annotations
+
+import functools
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+
+@functools.cache
+def warp_api() -> SimpleNamespace:
+    """Import Warp and MuJoCo Warp, and define the task's kernels (once)."""
+    try:
+        import mujoco_warp as mjw
+        import warp as wp
+    except ImportError as e:
+        raise ImportError(
+            "the MuJoCo Warp simulator needs the pinned versions it was tested with, "
+            f'`pip install -e ".[mujoco-warp]"` (mujoco-warp, warp-lang), and a CUDA GPU: {e}'
+        ) from e
+    wp.init()
+
+    @wp.func
+    def distances(state: wp.array2d(dtype=wp.float32), w: int, ee: int, obj: int, goal: wp.vec2, ring_r: float):
+        px = state[w, obj]
+        py = state[w, obj + 1]
+        dx = state[w, ee] - px
+        dy = state[w, ee + 1] - py
+        return wp.vec2(wp.length(wp.vec2(px, py) - goal), wp.max(wp.sqrt(dx * dx + dy * dy) - ring_r, 0.0))
+
+    @wp.kernel
+    def write_ctrl(
+        state: wp.array2d(dtype=wp.float32),
+        actions: wp.array3d(dtype=wp.float32),
+        alive: wp.array(dtype=wp.bool),
+        t: int,
+        ctrl: int,
+        speed: float,
+    ):
+        w = wp.tid()
+        if not alive[w]:  # a frozen world keeps its whole row
+            return
+        state[w, ctrl] = wp.clamp(actions[w, t, 0], -1.0, 1.0) * speed
+        state[w, ctrl + 1] = wp.clamp(actions[w, t, 1], -1.0, 1.0) * speed
+
+    @wp.kernel
+    def measure(
+        state: wp.array2d(dtype=wp.float32),
+        ee: int,
+        obj: wp.array(dtype=wp.int32),
+        goal: wp.array(dtype=wp.vec2),
+        ring_r: float,
+        dist: wp.array(dtype=wp.vec2),
+    ):
+        w = wp.tid()
+        dist[w] = distances(state, w, ee, obj[w], goal[w], ring_r)
+
+    @wp.kernel
+    def score(
+        state: wp.array2d(dtype=wp.float32),
+        ee: int,
+        obj: wp.array(dtype=wp.int32),
+        goal: wp.array(dtype=wp.vec2),
+        ring_r: float,
+        goal_radius: float,
+        dist: wp.array(dtype=wp.vec2),
+        alive: wp.array(dtype=wp.bool),
+        tick: wp.array(dtype=wp.int64),
+        dense: wp.array(dtype=wp.float32),
+        sparse: wp.array(dtype=wp.float32),
+    ):
+        w = wp.tid()
+        after = distances(state, w, ee, obj[w], goal[w], ring_r)
+        if alive[w]:
+            before = dist[w]
+            success = after[0] < goal_radius
+            sparse[w] = sparse[w] - wp.where(success, 0.0, 1.0)
+            dense[w] = dense[w] + 5.0 * (before[0] - after[0]) + (before[1] - after[1]) + wp.where(success, 2.0, 0.0)
+            tick[w] = tick[w] + wp.int64(1)
+            alive[w] = not success
+        dist[w] = after
+
+    return SimpleNamespace(wp=wp, mjw=mjw, write_ctrl=write_ctrl, measure=measure, score=score)
+
+
+class TorchAllocator:
+    """A Warp allocator that serves Warp arrays made while Warp runs on the torch stream from
+    torch's caching allocator (inside a torch capture: from the graph's memory pool, as a torch
+    temporary would be), and everything else (Warp's own side streams) from Warp's allocator.
+
+    Args:
+        device: the torch CUDA device.
+        fallback: Warp's built-in allocator of the device.
+    """
+
+    def __init__(self, device: torch.device, fallback: Any) -> None:
+        self.device, self.fallback = device, fallback
+        self.stream: Any = None  # the Warp handle of the torch stream in use (set by the caller)
+        self._blocks: dict[int, torch.Tensor] = {}
+
+    def allocate(self, size_in_bytes: int) -> int:
+        wp = warp_api().wp
+        if self.stream is None or wp.get_stream(self.stream.device).cuda_stream != self.stream.cuda_stream:
+            return self.fallback.allocate(size_in_bytes)
+        block = torch.empty(size_in_bytes, dtype=torch.uint8, device=self.device)
+        self._blocks[block.data_ptr()] = block
+        return block.data_ptr()
+
+    def deallocate(self, ptr: int, size_in_bytes: int) -> None:
+        if self._blocks.pop(ptr, None) is None:
+            self.fallback.deallocate(ptr, size_in_bytes)
