@@ -87,6 +87,9 @@ class FlashRTVectorEnv(VectorEnv):
     (:class:`~flashrt_gym.simulator.Simulator`) or external (:class:`~flashrt_gym.simulator.ExternalSimulator`)
     (default: the tabletop of ``task``). weights: a policy folder (default: the simulator's
     ``pretrained_weights`` where it names one, else the shipped tabletop ``tiny`` policy).
+    precision: ``"native"`` (the weights' own dtype, bf16 on a GPU: exact) or ``"fp8"`` (the
+    policy's large projections as e4m3 GEMMs, :meth:`flashrt.policies.FlowPolicy.set_precision`;
+    within the tolerance docs/FP8.md states, and emulated where the GPU has no FP8).
     device: ``"auto"`` (CUDA when present), ``"cpu"`` or ``"cuda"``. graphs: capture the step as a
     CUDA graph (eager when False or on the CPU). start_cache_bytes: device bytes of seeded episode
     starts kept for repeated ``reset(seed=...)`` (default: one set where that is at most 1/16 of the
@@ -116,6 +119,7 @@ class FlashRTVectorEnv(VectorEnv):
         task: TabletopConfig | dict | None = None,
         simulator: Callable[[int], Simulator | ExternalSimulator] | None = None,
         weights: str | os.PathLike | None = None,
+        precision: str = "native",
         device: str | torch.device | None = "auto",
         graphs: bool = True,
         start_cache_bytes: int | None = None,
@@ -139,7 +143,8 @@ class FlashRTVectorEnv(VectorEnv):
             raise ValueError("pass task (the built-in tabletop's options) or simulator, not both")
         sim = simulator(self.num_envs) if simulator is not None else Tabletop(as_tabletop_config(task))
         weights = weights or getattr(sim, "pretrained_weights", None) or TINY
-        model, weights_id = load(Path(weights), device=self.device, dtype=policy_dtype(self.device))
+        dtype = policy_dtype(self.device)
+        model, weights_id = load(Path(weights), device=self.device, dtype=dtype, precision=precision)
         self.engine = Engine(
             sim,
             model,

@@ -3,14 +3,10 @@
 For each task (``tabletop``: the shipped ``tiny``; ``mujoco_push``: ``tiny_mujoco``) and split,
 the unsteered base policy (its own per-slot noise, no correction: what ``flashrt-eval`` reports
 as the base) runs one episode per start on the split's first ``--episodes`` starts, once with the
-policy loaded in its native precision and once with ``precision="fp8"``
-(:meth:`flashrt.policies.FlowPolicy.set_precision`), through flashrt_gym's own evaluation
-(:func:`flashrt_gym.training.make_env`, :func:`flashrt_gym.training.evaluate`). Writes the
-success rates with their Wilson 95 % intervals and the difference in points as JSON.
-
-The env loads its policy itself and has no precision argument, so the FP8 run builds it while
-``flashrt_gym.env.load`` loads at FP8 (the model is FP8 before the env captures its graphs and
-computes its deployment digest).
+policy loaded in its native precision and once with ``policy.precision=fp8`` (the env's
+``precision`` argument, :meth:`flashrt.policies.FlowPolicy.set_precision`), through flashrt_gym's
+own evaluation (:func:`flashrt_gym.training.make_env`, :func:`flashrt_gym.evaluation.evaluate`).
+Writes the success rates with their Wilson 95 % intervals and the difference in points as JSON.
 
     python scripts/eval_fp8.py --out eval_fp8.json                      # tabletop, test and validation
     python scripts/eval_fp8.py --tasks tabletop mujoco_push --splits test --out eval_fp8.json
@@ -19,22 +15,20 @@ computes its deployment digest).
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import time
 from pathlib import Path
-from unittest import mock
 
 import numpy as np
 import torch
 from benchlib import provenance
 from hydra import compose, initialize_config_dir
 
-import flashrt_gym.env
 from flashrt.kernels import fp8
-from flashrt.policies import load
 from flashrt.runtime import atomic_write
-from flashrt_gym.training import evaluate, make_env, success_interval
+from flashrt_gym.evaluation import evaluate
+from flashrt_gym.training import make_env
+from flashrt_gym.training.runlog import success_interval
 
 ROOT = Path(__file__).resolve().parents[1]
 PRECISIONS = ("native", "fp8")
@@ -43,10 +37,8 @@ PRECISIONS = ("native", "fp8")
 def base_success(task: str, split: str, episodes: int, precision: str) -> dict:
     """The base policy of ``task`` at ``precision`` on ``split``'s first ``episodes`` starts."""
     with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
-        cfg = compose(config_name="train", overrides=[f"task={task}"])
-    loader = functools.partial(load, precision=precision)
-    with mock.patch.object(flashrt_gym.env, "load", loader):
-        env = make_env(cfg, episodes, autoreset=False, action_mode="residual")
+        cfg = compose(config_name="train", overrides=[f"task={task}", f"policy.precision={precision}"])
+    env = make_env(cfg, episodes, autoreset=False, action_mode="residual")
     if env.engine.policy.model.precision != precision:
         raise RuntimeError(f"the env's policy runs at {env.engine.policy.model.precision}, not {precision}")
     zeros = np.zeros((env.num_envs, *env.single_action_space.shape), np.float32)

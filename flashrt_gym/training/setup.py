@@ -178,6 +178,7 @@ def make_env(
     return FlashRTVectorEnv(
         num_envs,
         weights=cfg.policy.weights,
+        precision=cfg.policy.precision,
         device=device or device_of(cfg),
         graphs=cfg.runtime.graphs,
         autoreset=autoreset,

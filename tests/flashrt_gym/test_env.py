@@ -262,6 +262,20 @@ def test_a_capsule_from_another_configuration_is_refused():
     assert torch.equal(before, env.engine.bufs.slot_arena)
 
 
+def test_an_fp8_policy_encodes_near_the_native_one_and_its_capsules_are_its_own():
+    """``precision="fp8"`` loads the policy with e4m3 projections (emulated on a CPU): the features
+    it encodes from the same starts, and after the same actions, stay near the native policy's
+    but are not its bytes, and the two deployments refuse each other's capsules."""
+    native, fp8 = make(2, obs_mode="features"), make(2, obs_mode="features", precision="fp8")
+    assert (native.engine.policy.model.precision, fp8.engine.policy.model.precision) == ("native", "fp8")
+    zeros = np.zeros(native.action_space.shape, np.float32)
+    for a, b in ((native.reset(seed=0)[0], fp8.reset(seed=0)[0]), (native.step(zeros)[0], fp8.step(zeros)[0])):
+        assert not np.array_equal(a, b)
+        assert np.abs(a - b).max() <= 0.1 * np.abs(a).max()
+    with pytest.raises(DeploymentMismatchError):
+        native.restore(fp8.snapshot())
+
+
 @pytest.mark.parametrize(
     ("kw", "error", "match"),
     [
@@ -277,6 +291,7 @@ def test_a_capsule_from_another_configuration_is_refused():
         ({"start_cache_bytes": -1}, ValueError, "start_cache_bytes must be an int >= 0"),
         ({"task": {"objects": ("pink square",)}}, ValueError, "colour in"),
         ({"task": "tabletop"}, TypeError, "task must be a TabletopConfig"),
+        ({"precision": "int8"}, ValueError, "precision must be one of"),
     ],
 )
 def test_bad_arguments_name_the_argument(kw, error, match):

@@ -6,7 +6,7 @@ import torch
 
 from flashrt.policies import FlowPolicy, PolicyConfig, PolicyPipeline, policy_specs, tokenizer_for
 from flashrt.runtime import BufferSet, Graph
-from flashrt_gym.tasks import TabletopConfig
+from flashrt_gym.sims.tabletop import TabletopConfig
 
 TEXTS = ["push the red square to the left goal", "push the blue triangle to the top goal"]
 

@@ -12,7 +12,7 @@ import torch
 from flashrt import kernels
 from flashrt.policies import FlowPolicy, PolicyPipeline, pi0, policy_specs, tiny, tokenizer_for
 from flashrt.runtime import BufferSet, restore, snapshot
-from flashrt_gym.tasks import TabletopConfig
+from flashrt_gym.sims.tabletop import TabletopConfig
 from tests.policies.small import capture
 
 SEGMENTS = {"text": ("kv_text", "text_mask"), "ring": ("kv_ring", "ring_valid"), "obs": ("kv_obs", "obs_valid")}
