@@ -28,7 +28,7 @@ import torch
 
 from flashrt.kernels.backend import check_layout, tl, triton, use_triton
 
-VERSION = "1"
+VERSION = "2"
 """Bump when the FP8 numerics change (the quantisation, or which projections it takes):
 deployment digests of FP8 policies name it."""
 E4M3 = torch.float8_e4m3fn
@@ -65,7 +65,10 @@ def supported(device: torch.device | str) -> bool:
 def _amax_scale(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row (last dim) ``448 / amax`` and ``amax / 448``, float32, each rounded once."""
     amax = x.abs().amax(-1, keepdim=True).float().clamp_min(MIN_AMAX)
-    return E4M3_MAX / amax, amax / E4M3_MAX
+    # Tensor over tensor: IEEE division on every device. On CUDA, torch divides by a Python scalar
+    # as a multiply by its reciprocal (a bit off the rounded quotient the Triton kernel computes).
+    full = torch.full_like(amax, E4M3_MAX)
+    return full / amax, amax / full
 
 
 def quantize_weight(weight: torch.Tensor, name: str = "weight") -> Fp8Weight:
