@@ -18,7 +18,7 @@ if not os.environ.get("DISPLAY"):  # MuJoCo picks its OpenGL backend at its firs
     os.environ.setdefault("MUJOCO_GL", "egl")
 
 if importlib.util.find_spec("mujoco") is None:  # the MuJoCo task's tests need the mujoco extra
-    collect_ignore_glob = ["flashrt_gym/test_mujoco*.py"]
+    collect_ignore_glob = ["flashrt_gym/sims/test_mujoco*.py", "flashrt_gym/demos/test_mujoco*.py"]
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

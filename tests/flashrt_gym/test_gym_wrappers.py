@@ -9,7 +9,7 @@ from gymnasium.vector import AutoresetMode, SyncVectorEnv
 from gymnasium.wrappers import vector as vw
 
 from flashrt_gym import FlashRTEnv, FlashRTVectorEnv
-from tests.flashrt_gym.host_tabletop import HostTabletop
+from tests.flashrt_gym.support.host_tabletop import HostTabletop
 
 N, STEPS = 3, 2  # slots; chunks an episode lasts (truncation) unless it succeeds first
 

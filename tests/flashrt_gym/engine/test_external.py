@@ -8,7 +8,7 @@ import torch
 from flashrt_gym import FlashRTVectorEnv
 from flashrt_gym.engine.host_link import NO_HOST_LINK, HostLink, Mirror, NoHostLink
 from flashrt_gym.simulator import ExternalSimulator
-from tests.flashrt_gym.host_tabletop import HostTabletop
+from tests.flashrt_gym.support.host_tabletop import HostTabletop
 
 
 def external(n: int, **kw) -> FlashRTVectorEnv:

@@ -1,4 +1,4 @@
-"""The learner seam: a second device learner (tests/flashrt_gym/cem_learner.py and its YAML,
+"""The learner seam: a second device learner (tests/flashrt_gym/support/cem_learner.py and its YAML,
 nothing else) is checked, budgeted, trained, saved and loaded back by the same training code as
 FastSAC; a class that is not a learner is refused."""
 
@@ -13,9 +13,9 @@ from flashrt_gym.learners import MEMBERS, missing_members
 from flashrt_gym.learners.fast_sac import FastSAC
 from flashrt_gym.training import LOOPS, ConfigError, check, loop_of, train
 from flashrt_gym.training.device_loop import load_learner
-from tests.flashrt_gym.cem_learner import CEMLearner
+from tests.flashrt_gym.support.cem_learner import CEMLearner
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 EXTRA = Path(__file__).parent / "configs"  # where the test learner's one YAML lives (configs/agent/cem.yaml)
 
 
@@ -41,7 +41,7 @@ def test_the_second_learner_runs_through_the_device_loop_on_its_own_budget():
 def test_the_second_learner_trains_saves_and_loads_end_to_end(tmp_path, micro):
     cfg = config("agent=cem", "experiment=smoke", f"policy.weights={micro}")
     summary = train(cfg, tmp_path)
-    assert summary["agent"] == "tests.flashrt_gym.cem_learner.CEMLearner" and summary["env_steps"] == 16
+    assert summary["agent"] == "tests.flashrt_gym.support.cem_learner.CEMLearner" and summary["env_steps"] == 16
     assert summary["updates"] == 2 and summary["ranks"][0]["stored"] == 16  # 2 slots a step, an update per 8
     assert {p["split"] for p in json.loads((tmp_path / "curve.json").read_text())} == {"validation", "test"}
     ckpt = tmp_path / "checkpoints" / "last.safetensors"
@@ -55,4 +55,4 @@ def test_a_class_that_is_not_a_learner_is_refused_naming_what_it_lacks():
     half = type("Half", (), {"act": None, "store": None})
     assert missing_members(half) == [m for m in MEMBERS if m not in ("act", "store")]
     with pytest.raises(ConfigError, match=r"config key 'agent._target_': .*CEMConfig is neither .* it defines config_"):
-        check(config("agent=cem", "agent._target_=tests.flashrt_gym.cem_learner.CEMConfig"))
+        check(config("agent=cem", "agent._target_=tests.flashrt_gym.support.cem_learner.CEMConfig"))

@@ -16,7 +16,7 @@ from flashrt_gym.sims import MujocoPush, PushConfig
 from flashrt_gym.sims.tabletop import TabletopConfig
 from flashrt_gym.splits import demo_seed
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def test_shards_load_in_the_pipeline_and_hold_what_the_simulator_showed(tmp_path):

@@ -29,7 +29,7 @@ from flashrt_gym.sims import metaworld_cpu
 from flashrt_gym.sims.tabletop import TabletopConfig
 from flashrt_gym.splits import TEST_SEED, VALIDATION_SEED, demo_seed, train_seed
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 TASK = MetaWorldTask(("reach-v3", "button-press-topdown-v3"))
 
 

@@ -21,7 +21,7 @@ from flashrt_gym.sims.gymnasium_mujoco import GymnasiumMujocoSim, default_instru
 from flashrt_gym.sims.push.mujoco_cpu import MujocoPush
 from flashrt_gym.sims.tabletop import Tabletop
 from flashrt_gym.simulator import ExternalSimulator, Simulator, check_simulator, missing_members, protocol_members
-from tests.flashrt_gym.host_tabletop import HostTabletop
+from tests.flashrt_gym.support.host_tabletop import HostTabletop
 
 N = 3
 WORDS = ["push", "the", "cylinder", "to", "goal", "pusher"]
