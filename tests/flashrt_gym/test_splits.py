@@ -9,7 +9,6 @@ import torch
 from flashrt.kernels import rng
 from flashrt.runtime import BufferSet
 from flashrt_gym.evaluation import TEST_SEED, VALIDATION_SEED
-from flashrt_gym.sims import MujocoPush, PushConfig
 from flashrt_gym.sims.tabletop import Tabletop, TabletopConfig
 from flashrt_gym.splits import (
     DEMO_SEED,
@@ -101,7 +100,11 @@ def tabletop_starts(seeds: torch.Tensor, episodes: int) -> torch.Tensor:
 
 
 def push_starts(seeds: torch.Tensor, episodes: int) -> torch.Tensor:
-    """The MuJoCo push task's starts (both its simulators draw through :meth:`PushTask.draw`)."""
+    """The MuJoCo push task's starts (both its simulators draw through :meth:`PushTask.draw`);
+    skips the calling test where the mujoco extra is not installed."""
+    pytest.importorskip("mujoco")
+    from flashrt_gym.sims import MujocoPush, PushConfig
+
     task = MujocoPush(1, PushConfig(TabletopConfig(split="all"))).task
     counter = torch.zeros_like(seeds)
     rows = []
