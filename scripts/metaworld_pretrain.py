@@ -74,7 +74,11 @@ def collect_into(folder: Path, task: MetaWorldTask, args: argparse.Namespace) ->
         run: Any = map
         if args.workers > 1:
             context = multiprocessing.get_context("spawn")
-            run = stack.enter_context(ProcessPoolExecutor(args.workers, mp_context=context)).map
+            # one torch thread a worker, so N workers do not oversubscribe the cores
+            pool = ProcessPoolExecutor(
+                args.workers, mp_context=context, initializer=torch.set_num_threads, initargs=(1,)
+            )
+            run = stack.enter_context(pool).map
         while need.any():
             wave, before = [next(batches) for _ in range(args.workers)], need.clone()
             for b, shard in zip(wave, run(one, wave), strict=True):

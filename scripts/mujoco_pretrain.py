@@ -28,6 +28,7 @@ from itertools import count
 from pathlib import Path
 
 import pretrain_policy
+import torch
 from hydra import compose, initialize_config_dir
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
@@ -51,7 +52,12 @@ def collect_into(folder: Path, cfg: PushConfig, args: argparse.Namespace) -> int
         run = map
         if args.workers > 1:
             context = multiprocessing.get_context("spawn")
-            run = stack.enter_context(ProcessPoolExecutor(args.workers, mp_context=context)).map
+            # one torch thread a worker: N workers with a thread per core each oversubscribe the
+            # cores, and the renderer's tensor ops then slow down by orders of magnitude
+            pool = ProcessPoolExecutor(
+                args.workers, mp_context=context, initializer=torch.set_num_threads, initargs=(1,)
+            )
+            run = stack.enter_context(pool).map
         while kept < args.episodes:
             wave = [next(batches) for _ in range(args.workers)]
             for b, shard in zip(wave, run(one, wave), strict=True):
