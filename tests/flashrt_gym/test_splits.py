@@ -154,17 +154,3 @@ def test_the_blocks_are_named_in_one_place_and_demo_seeds_are_checked():
     for call in (lambda: demo_seed(-1), lambda: demo_seed(MAX_DEMO_SEED + 1), lambda: demo_seed(0, DEMO_STRIDE)):
         with pytest.raises(ValueError, match="demonstration"):
             call()
-
-
-@pytest.mark.parametrize("draw", [tabletop_starts, push_starts], ids=["tabletop", "mujoco_push"])
-def test_the_shipped_policies_demonstrations_are_no_evaluation_start(draw, monkeypatch):
-    """The shipped ``tiny`` and ``tiny_mujoco`` were cloned on demonstrations drawn before the RNG
-    mixed whole keys: seeds 0, 1, ... through the 32-bit fold. None of those states is a validation
-    or test start now. Mutation: the splits drawn through the old fold contain them all."""
-    with monkeypatch.context() as m:
-        m.setattr(rng, "_mix64", folded_to_32_bits)
-        old_demos = {r.numpy().tobytes() for r in draw(torch.arange(8192), 1)}
-        old_splits = {r.numpy().tobytes() for r in draw(torch.arange(1024) + TEST_SEED, 1)}
-    splits = torch.cat([torch.arange(1024) + VALIDATION_SEED, torch.arange(2048) + TEST_SEED])
-    assert not old_demos & {r.numpy().tobytes() for r in draw(splits, 1)}
-    assert old_splits <= old_demos
