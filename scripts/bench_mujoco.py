@@ -72,18 +72,20 @@ def make_env(kind: str, n: int, graphs: bool = True) -> FlashRTVectorEnv:
     return FlashRTVectorEnv(n, device="cuda", graphs=graphs, simulator=SIMULATORS[kind])
 
 
-def actions(n: int, k: int, seed: int) -> list[torch.Tensor]:
+def actions(n: int, k: int, seed: int, dim: int = 16) -> list[torch.Tensor]:
+    """``k`` batches of ``n`` agent actions of ``dim`` numbers (the tiny policy's 16 unless
+    given), uniform in the noise box [-1, 1]."""
     g = torch.Generator(device="cuda").manual_seed(seed)
-    return [torch.rand(n, 16, device="cuda", generator=g) * 2 - 1 for _ in range(k)]
+    return [torch.rand(n, dim, device="cuda", generator=g) * 2 - 1 for _ in range(k)]
 
 
 def sustained(env: FlashRTVectorEnv, steps: int, warmup: int, budget_s: float | None) -> dict:
     """Consecutive steps (after ``warmup``) with autoresets: per-step GPU-side times between
     consecutive steps, and the run's wall time."""
-    n = env.num_envs
-    for a in actions(n, warmup, 0):
+    n, dim = env.num_envs, env.single_action_space.shape[0]
+    for a in actions(n, warmup, 0, dim):
         env.step_torch(a)
-    acts = actions(n, steps, 1)
+    acts = actions(n, steps, 1, dim)
     events = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)]
     resets = []
     torch.cuda.synchronize()

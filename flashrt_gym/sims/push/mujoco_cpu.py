@@ -23,7 +23,16 @@ import torch
 
 from flashrt_gym.assets import TINY_MUJOCO
 from flashrt_gym.sims.push.render import TopDownRenderer
-from flashrt_gym.sims.push.task import PushConfig, PushTask, as_push_config, load_scene, model_digest, yaw_of
+from flashrt_gym.sims.push.task import (
+    VIEWS,
+    PushConfig,
+    PushTask,
+    as_push_config,
+    cameras_identity,
+    load_scene,
+    model_digest,
+    yaw_of,
+)
 from flashrt_gym.sims.tabletop.tabletop import BACKGROUND, COLORS, EE_COLOR, GOAL_COLOR, GOALS
 
 STATE_SIG = int(mujoco.mjtState.mjSTATE_INTEGRATION)
@@ -51,6 +60,7 @@ def renderer_for(cfg: PushConfig, task: PushTask) -> TopDownRenderer:
         BACKGROUND,
         GOAL_COLOR,
         EE_COLOR,
+        [VIEWS[c] for c in cfg.cameras],
     )
 
 
@@ -65,7 +75,6 @@ class MujocoPush:
             slot's physics is its own, so the results are the same bytes for any count.
     """
 
-    num_cameras = 1
     action_dim = 2
     proprio_dim = 2
     observation_bound = 1.0
@@ -87,6 +96,7 @@ class MujocoPush:
         self.task = PushTask(cfg, self.layout)
         self.instructions = self.task.instructions
         self.image_size = cfg.table.image_size
+        self.num_cameras = len(cfg.cameras)
         self.observation_dim = self.task.observation_dim
         self.data = [mujoco.MjData(self.model) for _ in range(self.num_slots)]
         self.physics_size = mujoco.mj_stateSize(self.model, self.physics_signature)
@@ -106,7 +116,7 @@ class MujocoPush:
         """The compiled model, the task's parameters and what a state row holds."""
         return (
             f"mujoco-push|model={self._digest}|{sorted(self.cfg.table.to_dict().items())}|"
-            f"frame_skip={self.cfg.frame_skip}|signature={self.physics_signature}"
+            f"frame_skip={self.cfg.frame_skip}|signature={self.physics_signature}{cameras_identity(self.cfg)}"
         )
 
     # -- task fields ---------------------------------------------------------------------------
@@ -259,9 +269,9 @@ class MujocoPush:
         return self._qpos()[:, self._ee].astype(np.float32)
 
     def render(self) -> np.ndarray:
-        """(slots, 1, H, W, 3) uint8 top-down images of the one camera
+        """(slots, num_cameras, H, W, 3) uint8 top-down images of the configured views
         (:class:`~flashrt_gym.sims.push.render.TopDownRenderer`)."""
-        return self.renderer(*self.poses()).numpy()[:, None]
+        return self.renderer(*self.poses()).numpy()
 
     def expert(self) -> np.ndarray:
         """(slots, 2) float32 actions of the scripted pusher (:meth:`PushTask.expert`)."""

@@ -48,7 +48,15 @@ from flashrt.runtime import BufferSet, BufferSpec, slot
 from flashrt.runtime.views import bind_views
 from flashrt_gym.assets import TINY_MUJOCO
 from flashrt_gym.sims.push.mujoco_cpu import renderer_for
-from flashrt_gym.sims.push.task import PushConfig, PushTask, as_push_config, load_scene, model_digest, yaw_of
+from flashrt_gym.sims.push.task import (
+    PushConfig,
+    PushTask,
+    as_push_config,
+    cameras_identity,
+    load_scene,
+    model_digest,
+    yaw_of,
+)
 from flashrt_gym.sims.push.warp_api import TorchAllocator, warp_api
 from flashrt_gym.simulator import BoundState
 
@@ -104,7 +112,6 @@ class WarpPush(BoundState):
         nconmax, njmax: MuJoCo Warp's contact and constraint capacities per world.
     """
 
-    num_cameras = 1
     action_dim = 2
     proprio_dim = 2
     observation_bound = 1.0
@@ -139,6 +146,7 @@ class WarpPush(BoundState):
         self.task = PushTask(cfg, self.layout)
         self.instructions = self.task.instructions
         self.image_size = cfg.table.image_size
+        self.num_cameras = len(cfg.cameras)
         self.observation_dim = self.task.observation_dim
         self.nstate = mujoco.mj_stateSize(self.mjm, STATE_SIG)
         off = state_offsets(self.mjm)
@@ -219,7 +227,7 @@ class WarpPush(BoundState):
         return (
             f"mujoco-warp-push|model={self._digest}|{sorted(self.cfg.table.to_dict().items())}|"
             f"frame_skip={self.cfg.frame_skip}|iterations={self.iterations}|deterministic={self.deterministic}|"
-            f"nconmax={self.nconmax}|njmax={self.njmax}"
+            f"nconmax={self.nconmax}|njmax={self.njmax}{cameras_identity(self.cfg)}"
         )
 
     def validate(self, state: Mapping[str, torch.Tensor]) -> None:
@@ -396,13 +404,8 @@ class WarpPush(BoundState):
 
     # -- observations (torch, capturable) ------------------------------------------------------
     def render(self, out: torch.Tensor) -> None:
-        """Every slot's top-down image into ``out (slots, 1, H, W, 3)`` uint8."""
-        size, n = self.image_size, self.num_slots
-        if out.shape != (n, 1, size, size, 3) or out.dtype != torch.uint8:
-            raise ValueError(
-                f"render: out must be ({n}, 1, {size}, {size}, 3) uint8, got {tuple(out.shape)} {out.dtype}"
-            )
-        self.renderer(*self.poses(), out=out[:, 0])
+        """Every slot's top-down images into ``out (slots, num_cameras, H, W, 3)`` uint8."""
+        self.renderer(*self.poses(), out=out)
 
     def proprio(self, out: torch.Tensor) -> None:
         """(slots, 2) end-effector position into ``out``."""

@@ -37,6 +37,26 @@ _TOL = 1e-6
 
 
 @dataclass(frozen=True)
+class View:
+    """A fixed orthographic camera looking down at the table: the image spans the square of
+    half-side ``half_extent`` (table units) around ``centre``, turned by ``yaw`` radians
+    (counter-clockwise: the image's up direction is the table's +y turned by ``yaw``)."""
+
+    centre: tuple[float, float] = (0.0, 0.0)
+    half_extent: float = 1.0
+    yaw: float = 0.0
+
+
+VIEWS = {
+    "top": View(),
+    "opposite": View(yaw=math.pi),
+    "centre": View(half_extent=0.5),
+}
+"""The named cameras a push scene offers: the whole table (``top``), the whole table from its
+far side (``opposite``: turned by half a turn), and its middle at twice the scale (``centre``)."""
+
+
+@dataclass(frozen=True)
 class PushConfig:
     """The push task's parameters.
 
@@ -47,11 +67,16 @@ class PushConfig:
         frame_skip: physics steps per tick (one action); a tick lasts
             ``frame_skip * timestep`` seconds, over which the end-effector moves at most
             ``table.max_speed`` table units.
+        cameras: the fixed views rendered for the policy, by name
+            (:data:`VIEWS`: ``top``, ``opposite``, ``centre``), in
+            the order of the images' camera axis; ``table.image_size`` pixels a side each. One
+            (``top``) for the tiny policies; pi0 reads three.
     """
 
     table: TabletopConfig = field(default_factory=TabletopConfig)
     scene: str | Path = SCENE
     frame_skip: int = 10
+    cameras: tuple[str, ...] = ("top",)
 
     def __post_init__(self) -> None:
         if isinstance(self.table, dict):
@@ -63,6 +88,17 @@ class PushConfig:
             raise ValueError(f"scene {str(self.scene)!r} is not a file; pass the path of an MJCF scene")
         if int(self.frame_skip) < 1:
             raise ValueError(f"frame_skip must be >= 1, got {self.frame_skip}")
+        cameras = (self.cameras,) if isinstance(self.cameras, str) else tuple(self.cameras)
+        object.__setattr__(self, "cameras", cameras)
+        unknown = [c for c in cameras if c not in VIEWS]
+        if not cameras or unknown:
+            raise ValueError(f"cameras must name one or more of {sorted(VIEWS)}, got {list(cameras)}")
+
+
+def cameras_identity(cfg: PushConfig) -> str:
+    """The cameras' part of a simulator's identity: empty for the one ``top`` camera (so the
+    identities, and the capsules' deployment digests, of single-camera scenes stay as they were)."""
+    return "" if cfg.cameras == ("top",) else f"|cameras={','.join(cfg.cameras)}"
 
 
 def as_push_config(cfg: PushConfig | Mapping[str, Any] | None) -> PushConfig:

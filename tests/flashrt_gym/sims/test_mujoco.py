@@ -2,6 +2,7 @@
 state row is a complete capsule of it (exact restore, fork, all-or-nothing writes), while
 position and velocity alone are not (the ablation)."""
 
+import copy
 import dataclasses
 
 import mujoco
@@ -12,6 +13,7 @@ import torch
 from flashrt.runtime import BufferSet
 from flashrt_gym.sims import SCENE, MujocoPush, PushConfig, load_scene
 from flashrt_gym.sims.push.mujoco_cpu import STATE_SIG, TASK_FIELDS
+from flashrt_gym.sims.push.task import VIEWS, View
 from flashrt_gym.sims.tabletop import GOALS, Tabletop, TabletopConfig
 from flashrt_gym.sims.tabletop.tabletop import COLORS, EE_COLOR, GOAL_COLOR
 
@@ -264,10 +266,40 @@ def test_render_draws_each_geom_in_the_tabletops_colours_where_the_physics_has_i
         assert tuple(img[s][pixel(obs[s, :2])]) == EE_COLOR
         assert tuple(img[s][pixel(np.array([0.72, 0.0]))]) in (GOAL_COLOR, *[COLORS[c] for c in COLORS])
     ee, obj, yaw = sim.poses()
-    turned = sim.renderer(ee, obj, yaw + torch.tensor([np.pi / 4, 0, 0], dtype=yaw.dtype))
+    turned = sim.renderer(ee, obj, yaw + torch.tensor([np.pi / 4, 0, 0], dtype=yaw.dtype))[:, 0]
     assert not torch.equal(turned, torch.from_numpy(img))
-    same_again = sim.renderer(ee, obj, yaw + torch.tensor([np.pi / 2, 0, 0], dtype=yaw.dtype))
+    same_again = sim.renderer(ee, obj, yaw + torch.tensor([np.pi / 2, 0, 0], dtype=yaw.dtype))[:, 0]
     assert (same_again.numpy() != img).sum() <= 12  # a square turned by 90 degrees is itself (up to edge pixels)
+
+
+def test_cameras_are_fixed_views_of_the_same_scene():
+    """Three cameras (pi0's count): ``opposite`` is ``top`` turned by half a turn, pixel for pixel;
+    ``centre`` at n pixels is the middle of ``top`` rendered at 2n (up to pixels on an edge). The
+    one-camera scene's identity is unchanged, a multi-camera one names its views; an unknown view
+    is refused by name. Mutations: the far view turned by a quarter instead, and the centre view
+    at the whole table's scale, fail the same comparisons."""
+
+    def sim_of(size: int, cameras: tuple[str, ...]) -> MujocoPush:
+        sim = MujocoPush(3, PushConfig(TabletopConfig(image_size=size), cameras=cameras))
+        sim.seed(np.arange(3) + 7)
+        sim.reset()
+        return sim
+
+    sim = sim_of(32, ("top", "opposite", "centre"))
+    wide = torch.from_numpy(sim_of(64, ("top",)).render())[:, 0, 16:48, 16:48]
+
+    def views_agree(img: torch.Tensor) -> tuple[bool, bool]:
+        return torch.equal(img[:, 1], img[:, 0].flip(1, 2)), bool((img[:, 2] != wide).any(-1).float().mean() < 0.01)
+
+    img = torch.from_numpy(sim.render())
+    assert img.shape == (3, 3, 32, 32, 3) and sim.num_cameras == 3
+    assert views_agree(img) == (True, True)
+    wrong = copy.copy(sim.renderer)
+    wrong.views, wrong._consts = (VIEWS["top"], View(yaw=np.pi / 2), View()), {}
+    assert views_agree(wrong(*sim.poses())) == (False, False)
+    assert "cameras=top,opposite,centre" in sim.identity() and "cameras" not in make(1).identity()
+    with pytest.raises(ValueError, match="cameras must name"):
+        PushConfig(cameras=("wrist",))
 
 
 def test_scripted_expert_succeeds_on_every_instruction_and_doing_nothing_does_not():

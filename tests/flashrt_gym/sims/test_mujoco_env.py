@@ -70,6 +70,35 @@ def test_the_shipped_tiny_policy_runs_on_mujoco_push():
     assert np.array_equal(obs["features"][:, -2:], host.proprio())
 
 
+def test_a_policy_of_three_cameras_reads_the_scenes_three_views(tmp_path):
+    """pi0 reads three cameras: a policy made for three (pi0's layout: images first, padded
+    proprio and actions) runs on the scene configured with three views, each view reaching its
+    camera input; a scene of one camera is refused by name."""
+    from dataclasses import replace
+
+    from flashrt.policies import FlowPolicy, save
+    from flashrt.policies.config import tiny
+
+    cfg = replace(
+        tiny(TabletopConfig().vocabulary), num_cameras=3, image_size=32, proprio_dim=8, action_dim=8,
+        width=64, depth=1, heads=2, head_dim=32, mlp=128, vision_width=64, vision_depth=1, vision_heads=2,
+        vision_mlp=128, expert_width=64, expert_mlp=128, steps=2, prefix_order="images_first", n_obs_steps=1,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    weights = save(FlowPolicy(cfg), tmp_path / "three_cameras")
+    push = {"cameras": ["top", "opposite", "centre"], "table": {"image_size": 32}}
+    e = env(2, weights, functools.partial(MujocoPush, cfg=push))
+    e.reset(seed=5)
+    host = e.engine.mirror.host
+    image = e.engine.policy.state.image.cpu().numpy()
+    assert image.shape == (2, 3, 32, 32, 3) and np.array_equal(image, host.render())
+    assert len({image[:, k].tobytes() for k in range(3)}) == 3
+    _, reward, *_ = e.step(np.zeros((2, e.single_action_space.shape[0]), np.float32))
+    assert np.isfinite(reward).all() and np.array_equal(e.engine.policy.state.image.cpu().numpy(), host.render())
+    with pytest.raises(ValueError, match="num_cameras is 3, the simulator's 1"):
+        env(1, weights, functools.partial(MujocoPush, cfg={"table": {"image_size": 32}}))
+
+
 @pytest.mark.parametrize(("cls", "exact"), [(MujocoPush, True), (QposQvelPush, False)], ids=["whole", "qpos_qvel"])
 def test_restore_and_continue_is_exact_and_a_qpos_qvel_row_diverges(micro, cls, exact):
     """Snapshot mid-episode, continue, run elsewhere, restore: the continuation repeats byte for
