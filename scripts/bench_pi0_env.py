@@ -94,7 +94,7 @@ def train_rate(weights: Path, n: int, precision: str, seconds: int, out: Path) -
     run = out / f"fast_sac_{precision}_{n}"
     cmd = [
         sys.executable, str(ROOT / "scripts" / "train.py"), "task=mujoco_warp_push", f"policy.weights={weights}",
-        f"policy.precision={precision}", f"+task.cfg.cameras=[{','.join(CAMERAS)}]", "task.cfg.table.image_size=224",
+        f"policy.precision={precision}", f"task.cfg.cameras=[{','.join(CAMERAS)}]", "task.cfg.table.image_size=224",
         "env.repeat_over_horizon=true", f"env.num_envs={n}", f"time_limit_s={seconds}", "total_steps=1000000000",
         "eval.episodes=16", "eval.test_episodes=16", "eval.every=1000000000", "eval.test_at=[]", f"hydra.run.dir={run}",
     ]  # fmt: skip
