@@ -15,6 +15,7 @@ from scipy.stats import binomtest
 from tqdm import tqdm
 
 from flashrt.runtime import atomic_write
+from flashrt_gym.devices import peak_gpu_memory_mb
 from flashrt_gym.evaluation import EvalResult
 from flashrt_gym.training.setup import device_of
 
@@ -243,5 +244,6 @@ def summarize(
         "env_steps_per_s_from_launch": steps_trained / max(time.time() - log.launch, 1e-9),
         "first_wall_s_validation_90": next((p["wall_s"] for p in val if p["success"] >= 0.9), None),
         "device": device_of(cfg),
+        "gpu_memory_MB": peak_gpu_memory_mb(),  # None on the CPU
         **extra,
     }

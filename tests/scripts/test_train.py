@@ -108,6 +108,7 @@ def test_sb3_end_to_end_then_resume_then_eval(tmp_path, micro):
     assert logged.splitlines()[0].endswith(setup.CPU_NOTE)  # the first line says what a CPU run shows
     summary = json.loads((first / "summary.json").read_text())
     assert summary["env_steps"] >= 16 and 0 <= summary["success"] <= 1
+    assert summary["gpu_memory_MB"] is None  # a CPU run holds none (CUDA: tests/flashrt_gym/test_devices.py)
     for name in (
         "config.yaml",
         "curve.json",
