@@ -156,9 +156,9 @@ def gpu_memory_mb() -> dict[str, float]:
     """GPU memory held now on the current device, MB (2**20 bytes, as bench_env.py): torch's
     caching allocator (graph pools included, so MuJoCo Warp's temporaries inside a torch capture)
     and Warp's memory pool (MuJoCo Warp's own arrays and the buffers Warp keeps for the
-    deterministic launches a capture recorded)."""
-    wp, device = warp_api().wp, f"cuda:{torch.cuda.current_device()}"
-    pool = wp.get_mempool_used_mem_current(device) if wp.is_mempool_enabled(device) else 0
+    deterministic launches a capture recorded; 0 where Warp is not in use)."""
+    wp, device = sys.modules.get("warp"), f"cuda:{torch.cuda.current_device()}"
+    pool = wp.get_mempool_used_mem_current(device) if wp is not None and wp.is_mempool_enabled(device) else 0
     return {"torch_reserved": torch.cuda.memory_reserved() / 2**20, "warp_pool": pool / 2**20}
 
 

@@ -8,7 +8,8 @@ physics, autoresets, render, encode), beside nothing published to compare with.
   written once as a bf16 weights folder and loaded by the env like any other. The tests'
   SentencePiece model stands in for PaliGemma's tokenizer (as in ``bench_policy.py``); the
   embedding keeps PaliGemma's 257 152 rows.
-- Scene: :class:`flashrt_gym.sims.WarpPush` with three fixed cameras (``top``, ``opposite``,
+- Scene: :class:`flashrt_gym.sims.WarpPush` (``--simulator mujoco_cpu``: the same scene on MuJoCo's
+  C library, a thread per core, as an external simulator) with three fixed cameras (``top``, ``opposite``,
   ``centre``) rendered at 224x224, the end-effector as the first 2 of the policy's 32 state
   numbers (the rest zero), the first 2 of its 32 action numbers driving the end-effector.
 - At each ``--sizes`` and ``--precisions``: the first reset and step (the capture included), the
@@ -45,13 +46,17 @@ from flashrt.policies.config import lerobot_pi0
 from flashrt.policies.model import PRECISIONS
 from flashrt.runtime import atomic_write
 from flashrt_gym import FlashRTVectorEnv
-from flashrt_gym.sims import WarpPush
+from flashrt_gym.sims import MujocoPush, WarpPush
 from flashrt_gym.sims.push.warp_api import warp_api
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKENIZER = ROOT / "tests" / "policies" / "fixtures" / "tokenizer.model"
 CAMERAS = ["top", "opposite", "centre"]
 SCENE = {"cameras": CAMERAS, "table": {"image_size": 224}}
+SIMULATORS = {  # the physics under the same scene: in the step graph, or MuJoCo's C library on every core
+    "mujoco_warp": functools.partial(WarpPush, cfg=SCENE),
+    "mujoco_cpu": functools.partial(MujocoPush, cfg=SCENE, threads=os.cpu_count() or 1),
+}
 
 
 def write_weights(folder: Path) -> Path:
@@ -74,7 +79,7 @@ def bench_env(weights: Path, n: int, precision: str, args: argparse.Namespace) -
         device="cuda",
         weights=weights,
         precision=precision,
-        simulator=functools.partial(WarpPush, cfg=SCENE),
+        simulator=SIMULATORS[args.simulator],
         repeat_over_horizon=args.repeat_over_horizon,
     )
     env.reset(seed=0)
@@ -84,7 +89,8 @@ def bench_env(weights: Path, n: int, precision: str, args: argparse.Namespace) -
     held = {key: mb - before[key] for key, mb in gpu_memory_mb().items()}
     row = {"num_envs": n, "precision": precision, "first_step_s_with_capture": first, "memory_after_capture_MB": held}
     row |= sustained(env, args.steps, args.warmup, None)
-    row["flagged_worlds"] = env.engine.sim.overflow()
+    if args.simulator == "mujoco_warp":
+        row["flagged_worlds"] = env.engine.sim.overflow()
     del env
     return row
 
@@ -112,6 +118,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", type=int, nargs="+", default=[1, 16, 64, 256])
     ap.add_argument("--precisions", nargs="+", default=["native", "fp8"], choices=PRECISIONS)
+    ap.add_argument("--simulator", default="mujoco_warp", choices=list(SIMULATORS))
     ap.add_argument("--steps", type=int, default=60, help="timed consecutive steps (1.5 episode lengths)")
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument(
@@ -127,7 +134,8 @@ def main() -> None:
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_pi0_env.py measures pi0 on the GPU: run it on a machine with a CUDA GPU")
-    warp_api().wp.config.quiet = True
+    if args.simulator == "mujoco_warp":
+        warp_api().wp.config.quiet = True
     result: dict = {
         **provenance(),
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
