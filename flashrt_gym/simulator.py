@@ -150,6 +150,53 @@ class BoundState:
 
 
 @runtime_checkable
+class SplitTicks(Protocol):
+    """An in-graph simulator whose physics cannot be recorded into the env's torch capture (MuJoCo
+    Warp's solver loop is a conditional node of Warp's own graph) but runs on the device with no
+    host synchronisation. When :attr:`physics_outside_capture` is true, the env's step is three
+    launches on one stream: a captured graph of the policy ending with :meth:`begin_ticks`,
+    :meth:`physics`, and a captured graph starting with :meth:`end_ticks` (episode flags,
+    autoreset, render, encode). Its ``run_ticks`` must equal the three in a row; its state stays
+    in its ``sim.*`` buffers, so capsules are unchanged. When the step's actions are refused,
+    :meth:`physics` still runs on the scratch it was last given and must change no ``sim.*``
+    buffer (the two graphs skip their bodies)."""
+
+    physics_outside_capture: bool
+
+    def begin_ticks(self, actions: torch.Tensor, dense: torch.Tensor, sparse: torch.Tensor) -> None:
+        """The capturable part of ``run_ticks`` before the physics (reads the slots' buffers)."""
+        ...
+
+    def physics(self, ticks: int) -> None:
+        """The physics of ``ticks`` ticks over what :meth:`begin_ticks` loaded, on the current
+        stream, no host synchronisation, never inside a torch capture."""
+        ...
+
+    def end_ticks(self, dense: torch.Tensor, sparse: torch.Tensor) -> None:
+        """The capturable part of ``run_ticks`` after the physics (writes the slots' buffers and
+        the rewards)."""
+        ...
+
+
+def splits_ticks(sim: object) -> bool:
+    """Whether the env's step runs ``sim``'s physics between two captured parts (a
+    :class:`SplitTicks` simulator that asks for it).
+
+    Raises:
+        TypeError: ``sim`` asks for it (``physics_outside_capture``) without the three methods.
+    """
+    if not getattr(sim, "physics_outside_capture", False):
+        return False
+    missing = [n for n in ("begin_ticks", "physics", "end_ticks") if not callable(getattr(sim, n, None))]
+    if missing:
+        raise TypeError(
+            f"{type(sim).__name__} sets physics_outside_capture but lacks {', '.join(missing)}: define the three "
+            "parts of run_ticks (flashrt_gym.simulator.SplitTicks), or leave physics_outside_capture false"
+        )
+    return True
+
+
+@runtime_checkable
 class ExternalSimulator(Protocol):
     """A batched simulator stepped on the host; every array is NumPy with the slots first."""
 

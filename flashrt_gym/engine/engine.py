@@ -13,7 +13,10 @@ defines its programs over them:
   (with autoreset) the finished slots' final observations and their next episodes -> render ->
   encode -> observations. A finished slot's next episode is drawn inside the step, from its own
   RNG stream, and its first frame is encoded in the step's one batched encode: an autoreset costs
-  the step no extra encode and no host work, whenever it happens.
+  the step no extra encode and no host work, whenever it happens. The plan is chosen once: one
+  captured program (an in-graph simulator), two graphs around the host's ticks (an external
+  one, through its :class:`~flashrt_gym.engine.host_link.Mirror`), or two graphs around the
+  simulator's own physics graph (a :class:`~flashrt_gym.simulator.SplitTicks` one).
 
 Capsule verbs (:meth:`Engine.snapshot`, :meth:`Engine.restore`, :meth:`Engine.fork`) are byte
 copies of the buffer set; a capsule from elsewhere is validated (its index-valued and flag
@@ -36,7 +39,7 @@ from flashrt.runtime import BufferSpec, Capsule, Graph, scratch, slot
 from flashrt.runtime.views import bind_views
 from flashrt_gym.engine.host_link import NO_HOST_LINK, HostLink, Mirror
 from flashrt_gym.env_config import EnvConfig
-from flashrt_gym.simulator import ExternalSimulator, Simulator, check_simulator, is_external
+from flashrt_gym.simulator import ExternalSimulator, Simulator, check_simulator, is_external, splits_ticks
 
 
 @dataclass(frozen=True)
@@ -136,11 +139,14 @@ class Engine:
         self.output_layout = {n: (self.bufs.placements[n].offset - lo, self.bufs.placements[n].spec) for n in names}
         """Where each output lies in :attr:`output_span`: byte offset and spec."""
         self.graph = Graph("env.step", backend=backend, max_variants=2).bind(self.bufs)
-        # the step plan, chosen once: one captured program, or two around the host's ticks
-        self._launch = (
-            self._launch_in_graph if self.mirror is None else functools.partial(self._launch_with_host, self.mirror)
-        )
-        self._guarded = "step" if self.mirror is None else "act"
+        # the step plan, chosen once: one captured program, two around the host's ticks, or two
+        # around the simulator's own physics graph
+        if self.mirror is not None:
+            self._launch, self._guarded = functools.partial(self._launch_with_host, self.mirror), "act"
+        elif splits_ticks(sim):
+            self._launch, self._guarded = self._launch_split, "act"
+        else:
+            self._launch, self._guarded = self._launch_in_graph, "step"
 
     def _io_specs(self, c: PolicyConfig, n: int) -> list[BufferSpec]:
         """The step's scratch buffers, outputs last and back to back."""
@@ -303,6 +309,28 @@ class Engine:
             self.graph.capture("step", self.program, guard=self._guard)
         self.graph.replay("step")
 
+    def _act_and_begin_ticks(self) -> None:
+        """A split step's first graph: the policy's chunk, then the simulator's ticks loaded."""
+        self._act()
+        self.sim.begin_ticks(self.inputs.chunk, *self._rewards())
+
+    def _end_ticks_and_finish(self) -> None:
+        """A split step's second graph: the ticks' results stored, then the rest of the step."""
+        self.sim.end_ticks(*self._rewards())
+        self._finish()
+
+    def _launch_split(self) -> None:
+        """A :class:`~flashrt_gym.simulator.SplitTicks` simulator's step: the act graph, the
+        simulator's own physics graph, the finish graph, on one stream with no host wait. Both
+        graphs are guarded by the same check of the same actions, so a refused step runs
+        neither body (the physics then works on scratch alone)."""
+        if "act" not in self.graph:
+            self.graph.capture("act", self._act_and_begin_ticks, guard=self._guard)
+            self.graph.capture("finish", self._end_ticks_and_finish, guard=self._guard)
+        self.graph.replay("act")
+        self.sim.physics(self.cfg.n_action_steps)
+        self.graph.replay("finish")
+
     def _launch_with_host(self, mirror: Mirror) -> None:
         """An external simulator's step: the act graph, the host's ticks (through ``mirror``), the
         finish graph."""
@@ -323,6 +351,9 @@ class Engine:
         checks): how benchmarks time the step program alone. Call :meth:`launch` once first."""
         if self.mirror is not None:
             raise ValueError("an external simulator's step is two graphs and a host hand-off: time launch()")
+        if self._launch == self._launch_split:
+            self._launch_split()
+            return
         self.graph.replay("step")
 
     def held(self) -> bool:

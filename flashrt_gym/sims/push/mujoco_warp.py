@@ -27,8 +27,14 @@ Warp (``capture="torch"``, the default):
   runs of the same step differ in the last bits, and a restored capsule would not continue
   byte for byte.
 
-``capture="warp"`` instead replays the same kernels as Warp's own captured graph (byte for byte
-the same ticks): for an eager env (``graphs=False``); inside a torch capture it is refused.
+``capture="warp"`` instead runs the ticks' physics as Warp's own captured graph, with the
+solver's conditional loop (``opt.graph_conditional = True``: it stops when every world has
+converged, where the fixed bound runs all its iterations). It cannot be recorded into a torch
+capture, so the env's step becomes three launches on one stream
+(:class:`flashrt_gym.simulator.SplitTicks`): the policy's graph ending with :meth:`WarpPush.begin_ticks`,
+Warp's graph (:meth:`WarpPush.physics`), and a graph starting with :meth:`WarpPush.end_ticks`
+(rewards, autoreset, render, encode). The state is the same ``sim.*`` rows, so capsules are the
+same byte copies.
 
 ``warp`` and ``mujoco_warp`` are imported when a :class:`WarpPush` is bound, never by
 ``import flashrt_gym.sims``.
@@ -105,7 +111,8 @@ class WarpPush(BoundState):
         num_slots: worlds (parallel episodes); the buffer set must have this many slots.
         cfg: the task's parameters, or a mapping of them.
         capture: ``"torch"`` (the ticks are recorded into the caller's torch graph) or
-            ``"warp"`` (the ticks' physics replays Warp's own graph; not inside a torch capture).
+            ``"warp"`` (the ticks' physics replays Warp's own graph with the solver's conditional
+            loop, between the env step's two captured parts; never inside a torch capture).
         iterations: constraint solver iterations at most per physics step (MuJoCo's default is
             100; a fixed count is recorded into the graph, so this bounds the graph's size).
         deterministic: MuJoCo Warp's run-to-run determinism (needed for byte-exact restores).
@@ -193,7 +200,9 @@ class WarpPush(BoundState):
         n = self.num_slots
         with k.wp.ScopedDevice(self.wp_device):
             self.m = k.mjw.put_model(self.mjm)
-            self.m.opt.graph_conditional = False  # a fixed iteration bound: no conditional node (see the module)
+            # capture="torch": a fixed iteration bound (no conditional node, see the module); "warp": the
+            # solver's conditional loop, which stops when every world has converged
+            self.m.opt.graph_conditional = self.capture == "warp"
             self.m.opt.deterministic = int(k.mjw.DeterminismType.ALL if self.deterministic else 0)
             # The bound is this simulator's setting, not a fault: a world that stops at it is flagged
             # (overflow()) without a kernel printf each physics step.
@@ -378,14 +387,27 @@ class WarpPush(BoundState):
         """Advance every slot ``T`` ticks under ``actions (slots, T, 2)`` in [-1, 1] (clipped)
         and write the summed (dense, sparse) rewards into ``dense`` and ``sparse`` (float32
         (slots,)). Slots that have succeeded stay frozen and earn nothing. Torch, then Warp,
-        then torch, on the current stream with no host synchronisation: capturable."""
+        then torch (:meth:`begin_ticks`, :meth:`physics`, :meth:`end_ticks`), on the current
+        stream with no host synchronisation: capturable with ``capture="torch"``."""
+        self.begin_ticks(actions, dense, sparse)
+        self.physics(actions.shape[1])
+        self.end_ticks(dense, sparse)
+
+    @property
+    def physics_outside_capture(self) -> bool:
+        """``capture="warp"``: the env's step runs :meth:`physics` as Warp's own graph between its
+        two captured parts (:class:`flashrt_gym.simulator.SplitTicks`)."""
+        return self.capture == "warp"
+
+    def begin_ticks(self, actions: torch.Tensor, dense: torch.Tensor, sparse: torch.Tensor) -> None:
+        """The torch part of :meth:`run_ticks` before the physics: the slots' rows, targets,
+        goals and flags into the ticks' scratch. Capturable."""
         s, n = self.state, self.num_slots
         if actions.dim() != 3 or actions.shape[0] != n or actions.shape[2] != self.action_dim:
             raise ValueError(f"run_ticks: actions must be ({n}, T, {self.action_dim}), got {tuple(actions.shape)}")
         if any(o.shape != (n,) or o.dtype != torch.float32 for o in (dense, sparse)):
             raise ValueError(f"run_ticks: dense and sparse must be float32 ({n},) tensors")
-        ticks = actions.shape[1]
-        p = self._program(ticks)
+        p = self._program(actions.shape[1])
         p["actions"].copy_(actions)
         self._rows.copy_(s.physics)
         target, goal = self.task.target_and_goal(s.instruction)
@@ -395,7 +417,11 @@ class WarpPush(BoundState):
         self._tick.copy_(s.tick)
         self._dense.zero_()
         self._sparse.zero_()
-        self.physics(ticks)
+
+    def end_ticks(self, dense: torch.Tensor, sparse: torch.Tensor) -> None:
+        """The torch part of :meth:`run_ticks` after the physics: the stepped rows, flags, tick
+        counters and rewards back into the slots' buffers and ``dense``/``sparse``. Capturable."""
+        s = self.state
         s.physics.copy_(self._rows)
         torch.logical_not(self._alive, out=s.success)
         s.tick.copy_(self._tick)

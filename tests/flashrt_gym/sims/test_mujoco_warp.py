@@ -163,6 +163,60 @@ def test_capsules_restore_exactly_fork_and_qpos_qvel_alone_diverges(device, micr
     assert all(torch.equal(rows[i], rows[0]) for i in range(1, N))
 
 
+@pytest.mark.parametrize("device", [WARP_CPU, CUDA])
+def test_split_step_runs_warps_own_graph_between_two_captured_parts(device, micro, monkeypatch):
+    """``capture="warp"``: the step is the act graph, Warp's own physics graph (the solver's
+    conditional loop), the finish graph. Through autoresets it equals the same simulator's
+    ``run_ticks`` inside one program, byte for byte, and so does the fixed iteration bound of
+    ``capture="torch"``; a bad action raises and changes no state, though the physics graph
+    runs. Mutation: a plan that runs the physics before the ticks are loaded departs. (CUDA: one
+    world, where MuJoCo Warp repeats its runs bit for bit; the several-world comparison is in the
+    lockstep test below.)"""
+    n = 1 if device == "cuda" else N
+    acts = noise(n, 7, device, seed=4)
+
+    def trajectory(plan: str) -> list[torch.Tensor]:
+        env = warp_env(device, micro, n=n, capture="warp", max_episode_steps=3)
+        engine = env.engine
+        assert engine._launch == engine._launch_split
+        if plan == "one_program":
+            monkeypatch.setattr(engine, "_launch", engine._launch_in_graph)
+            monkeypatch.setattr(engine, "_guarded", "step")
+            if device == "cuda":  # Warp's graph cannot be recorded into torch's: run the program eagerly
+                monkeypatch.setattr(engine, "_launch", engine.program)
+                monkeypatch.setattr(engine, "held", lambda: True)
+        if plan == "physics_first":
+
+            def physics_first() -> None:
+                if "act" not in engine.graph:
+                    engine.graph.capture("act", engine._act_and_begin_ticks, guard=engine._guard)
+                    engine.graph.capture("finish", engine._end_ticks_and_finish, guard=engine._guard)
+                engine.sim.physics(engine.cfg.n_action_steps)
+                engine.graph.replay("act")
+                engine.graph.replay("finish")
+
+            monkeypatch.setattr(engine, "_launch", physics_first)
+        env.reset(seed=5)
+        out = run(env, acts)
+        if plan == "split":
+            before = engine.bufs.slot_arena.clone()
+            bad = acts[0].clone()
+            bad[0, 0] = float("nan")
+            with pytest.raises(ValueError, match="action"):
+                env.step_torch(bad)
+            assert torch.equal(engine.bufs.slot_arena, before)
+            out += run(env, acts[:1])
+        return out
+
+    split, one = trajectory("split"), trajectory("one_program")
+    assert sum(int(f.sum()) for f in split[5::7])  # episodes ended inside the steps compared
+    assert equal(split[: len(one)], one)
+    assert not equal(trajectory("physics_first"), one)
+    fixed = warp_env(device, micro, n=n, max_episode_steps=3)  # capture="torch": the fixed iteration bound
+    fixed.reset(seed=5)
+    assert equal(run(fixed, acts), one)  # the conditional loop stops where converged worlds stop changing
+
+
 def deviation(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
     """The largest difference of float outputs, relative to ``1 + |b|``; infinite where an
     integer or flag output differs at all."""
@@ -181,13 +235,15 @@ def deviation(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
 def test_graph_equals_eager_byte_for_byte_at_one_world():
     """At one world the captured step (policy, MuJoCo Warp's ticks, autoresets, render, encode)
     equals the eager step byte for byte, every output and the physics row, through episodes that
-    end inside the replays; so does the eager step with the physics replayed from Warp's own graph
-    (``capture="warp"``). Mutation: a simulator of another frame_skip differs."""
+    end inside the replays; so do the eager step with the physics replayed from Warp's own graph
+    (``capture="warp"``, the solver's conditional loop) and the captured step split around that
+    graph. Mutation: a simulator of another frame_skip differs."""
     kw = {"n": 1, "max_episode_steps": 3}
     envs = {
         "eager": warp_env("cuda", None, graphs=False, **kw),
         "graph": warp_env("cuda", None, **kw),
         "warp": warp_env("cuda", None, graphs=False, capture="warp", **kw),
+        "split": warp_env("cuda", None, capture="warp", **kw),
         "frame_skip_9": warp_env("cuda", None, graphs=False, cfg=PushConfig(frame_skip=9), **kw),
     }
     acts = noise(1, 8, "cuda", seed=2)
@@ -196,7 +252,7 @@ def test_graph_equals_eager_byte_for_byte_at_one_world():
         env.reset(seed=1)
         out[name] = run(env, acts)
     assert sum(int(f.sum()) for f in out["eager"][5::7])  # episodes ended inside the steps compared
-    assert equal(out["graph"], out["eager"]) and equal(out["warp"], out["eager"])
+    assert equal(out["graph"], out["eager"]) and equal(out["warp"], out["eager"]) and equal(out["split"], out["eager"])
     assert not equal(out["frame_skip_9"], out["eager"])
 
 
@@ -213,8 +269,9 @@ catches a step computed wrongly: one step of another ``frame_skip`` differs by f
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_graph_matches_eager_step_by_step_over_several_worlds():
     """Over several worlds the captured step matches the eager step taken from the same
-    boundary, every output and the physics rows, with episodes ending inside the replays; so does
-    the eager step with the physics replayed from Warp's own graph (``capture="warp"``). Each step
+    boundary, every output and the physics rows, with episodes ending inside the replays; so do
+    the eager step with the physics replayed from Warp's own graph (``capture="warp"``) and the
+    captured step split around it. Each step
     restores every env from the eager env's capsule first, so that run-to-run differences cannot
     accumulate (:data:`LOCKSTEP_TOL`); this is what the one-world test cannot see: a slot's rows
     mixed with another's. Flags and integer outputs must be equal, floats within the bound.
@@ -224,6 +281,7 @@ def test_graph_matches_eager_step_by_step_over_several_worlds():
     others = {
         "graph": warp_env("cuda", None, **kw),
         "warp": warp_env("cuda", None, graphs=False, capture="warp", **kw),
+        "split": warp_env("cuda", None, capture="warp", **kw),
         "frame_skip_9": warp_env("cuda", None, graphs=False, cfg=PushConfig(frame_skip=9), **kw),
     }
     wrong = others["frame_skip_9"].engine.bufs  # another deployment: restore() refuses eager's capsules
@@ -233,8 +291,8 @@ def test_graph_matches_eager_step_by_step_over_several_worlds():
     worst, autoresets = dict.fromkeys(others, 0.0), 0
     for a in noise(N, 7, "cuda", seed=2):
         capsule = eager.snapshot()
-        others["graph"].restore(capsule)
-        others["warp"].restore(capsule)
+        for name in ("graph", "warp", "split"):
+            others[name].restore(capsule)
         wrong.slot_arena.copy_(eager.engine.bufs.slot_arena)
         got = {name: run(env, [a]) for name, env in others.items()}
         want = run(eager, [a])
@@ -242,7 +300,7 @@ def test_graph_matches_eager_step_by_step_over_several_worlds():
         for name, out in got.items():
             worst[name] = max(worst[name], deviation(out, want))
     assert autoresets  # episodes ended inside the steps compared
-    assert worst["graph"] <= LOCKSTEP_TOL and worst["warp"] <= LOCKSTEP_TOL, worst
+    assert max(worst[k] for k in ("graph", "warp", "split")) <= LOCKSTEP_TOL, worst
     assert worst["frame_skip_9"] > LOCKSTEP_TOL, worst
 
 
