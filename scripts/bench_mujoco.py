@@ -2,7 +2,9 @@
 the same task on MuJoCo's C library (an external simulator) and the built-in tabletop, in one
 run; and the physics tick alone, beside MuJoCo Warp's own step.
 
-Env step, at each ``--sizes`` (default 1, 256, 4096 slots), for each simulator: an env on the
+Env step, at each ``--sizes`` (default 1, 256, 4096 slots), for each simulator (MuJoCo Warp in
+the step's one graph; split around Warp's own graph with the solver's conditional loop,
+deterministic and not; MuJoCo's C library; the tabletop): an env on the
 GPU (the shipped tiny policy, ``max_episode_steps`` 40, noise actions uniform in the box, so
 episodes end by time limit or success and slots autoreset inside the steps at their natural
 times); ``--warmup`` steps (the first one captures the step) then ``--steps`` consecutive
@@ -61,7 +63,9 @@ MJW_OPTIONS = [  # (row name, a fixed iteration bound, determinism): the simulat
     ("ours", True, True),
 ]
 SIMULATORS = {
-    "mujoco_warp": WarpPush,
+    "mujoco_warp": WarpPush,  # the ticks recorded into the step's one torch graph (fixed iteration bound)
+    "mujoco_warp_split": functools.partial(WarpPush, capture="warp"),  # Warp's graph between the two
+    "mujoco_warp_split_fast": functools.partial(WarpPush, capture="warp", deterministic=False),
     "mujoco_cpu": MujocoPush,  # one CPU thread
     "mujoco_cpu_all_cores": functools.partial(MujocoPush, threads=os.cpu_count() or 1),
     "tabletop": None,
@@ -177,7 +181,7 @@ def bench_env(kind: str, n: int, args: argparse.Namespace) -> dict:
     row = {"first_step_s_with_capture": first, "memory_after_capture_MB": held}
     cpu = kind.startswith("mujoco_cpu")  # physics on the host's CPU: few warm-up steps, a time budget
     row |= sustained(env, args.steps, min(args.warmup, 2) if cpu else args.warmup, args.cpu_budget_s if cpu else None)
-    if kind == "mujoco_warp":
+    if kind.startswith("mujoco_warp"):
         row["guarded_graph_warnings"] = [str(w.message) for w in caught if "runtime.guarded" in str(w.message)]
         row["program_ms"] = wall_ms(env.engine.replay, args.reps)
         row["step_graph_kernels"] = graph_kernels(env.engine.replay)
