@@ -15,14 +15,19 @@ from tests.flashrt_gym.support.split_tabletop import SplitTabletop
 N = 4
 
 
-def env(split: bool, micro) -> FlashRTVectorEnv:
+CUDA = pytest.param(
+    "cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+)
+
+
+def env(split: bool, micro, device: str = "cpu") -> FlashRTVectorEnv:
     sim = SplitTabletop if split else (lambda n: Tabletop())
-    return FlashRTVectorEnv(N, device="cpu", weights=micro, simulator=sim, max_episode_steps=3)
+    return FlashRTVectorEnv(N, device=device, weights=micro, simulator=sim, max_episode_steps=3)
 
 
-def acts(k: int, seed: int = 0) -> list[torch.Tensor]:
+def acts(k: int, seed: int = 0, device: str = "cpu") -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return [torch.rand(N, 16, generator=g) * 2 - 1 for _ in range(k)]
+    return [(torch.rand(N, 16, generator=g) * 2 - 1).to(device) for _ in range(k)]
 
 
 def trajectory(e: FlashRTVectorEnv, actions: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -37,18 +42,21 @@ def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
     return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
 
 
-def test_the_split_plan_equals_one_program_through_autoresets_and_restores(micro):
-    split, one = env(True, micro), env(False, micro)
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+def test_the_split_plan_equals_one_program_through_autoresets_and_restores(micro, device):
+    """On CUDA: two captured guarded graphs with the physics launched between them equal the one
+    captured program, byte for byte."""
+    split, one = env(True, micro, device), env(False, micro, device)
     assert split.engine._launch == split.engine._launch_split and one.engine._launch == one.engine._launch_in_graph
     for e in (split, one):
         e.reset(seed=2)
-    first = acts(4)
+    first = acts(4, device=device)
     got, want = trajectory(split, first), trajectory(one, first)
     assert sum(int(f.sum()) for f in want[5::7]) and same(got, want)  # slots autoreset inside the steps
     cap = split.snapshot()
-    later = trajectory(split, acts(3, seed=1))
+    later = trajectory(split, acts(3, seed=1, device=device))
     split.restore(cap)
-    assert same(trajectory(split, acts(3, seed=1)), later)
+    assert same(trajectory(split, acts(3, seed=1, device=device)), later)
 
 
 def test_a_refused_step_runs_the_physics_on_scratch_and_changes_no_state(micro):
