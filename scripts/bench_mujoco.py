@@ -26,7 +26,9 @@ from Warp's own graph (``capture="warp"``); MuJoCo Warp's ``step`` x ``frame_ski
 graph with MuJoCo Warp's default options (the solver's conditional loop, no determinism), with
 this simulator's (a fixed iteration bound, determinism) and with each of those two alone
 (``MJW_OPTIONS``); with ``--testspeed``,
-``mjwarp-testspeed`` (MuJoCo Warp's own benchmark) on the scene.
+``mjwarp-testspeed`` (MuJoCo Warp's own benchmark) on the scene. With ``--drift``, each MuJoCo
+Warp mode's exactness (:func:`drift`): how far a restored run and a fork under equal actions
+depart after 1, 10 and 40 chunks.
 
     python scripts/bench_mujoco.py --testspeed --out $OUT/bench_mujoco.json
 """
@@ -156,6 +158,54 @@ def graph_vs_eager(n: int, steps: int = 5) -> dict:
     }
 
 
+DRIFT_AT = (1, 10, 40)
+"""Chunks after a restore (or a fork) at which the drift is read."""
+
+
+def drift(kind: str, n: int) -> dict:
+    """What a mode keeps of exactness: a run restored from a capsule against the run that made
+    the capsule's continuation, and a fork of slot 0 into every slot under equal actions (slots
+    against slot 0), after each of :data:`DRIFT_AT` chunks under the same noise actions (episodes
+    end and restart inside them): the largest difference of the physics rows relative to
+    ``1 + |row|``, and whether the episode flags agree."""
+    env = make_env(kind, n)
+    env.reset(seed=9)
+    for a in actions(n, 2, 3):
+        env.step_torch(a)
+    capsule, acts = env.snapshot(), actions(n, max(DRIFT_AT), 4)
+
+    def rows_at() -> list[tuple[torch.Tensor, torch.Tensor]]:
+        out = []
+        for i, a in enumerate(acts, 1):
+            _, _, te, tr, _ = env.step_torch(a)
+            if i in DRIFT_AT:
+                out.append((env.engine.bufs["sim.physics"].clone(), te | tr))
+        return out
+
+    first = rows_at()
+    env.restore(capsule)
+    again = rows_at()
+    env.restore(capsule)
+    env.fork(0, range(n))
+    acts = [a[:1].expand(n, -1).contiguous() for a in acts]
+    forked = rows_at()
+    torch.cuda.synchronize()
+
+    def rel(x: torch.Tensor, y: torch.Tensor) -> float:
+        return float(((x - y).abs() / (1 + y.abs())).max())
+
+    return {
+        "restore": {
+            str(c): {"max_rel_dev": rel(a[0], b[0]), "flags_equal": bool(torch.equal(a[1], b[1]))}
+            for c, a, b in zip(DRIFT_AT, again, first, strict=True)
+        },
+        "fork_equal_actions": {
+            str(c): {"max_rel_dev": rel(f[0], f[0][:1].expand_as(f[0])), "flags_equal": bool((f[1] == f[1][0]).all())}
+            for c, f in zip(DRIFT_AT, forked, strict=True)
+        },
+    }
+
+
 def gpu_memory_mb() -> dict[str, float]:
     """GPU memory held now on the current device, MB (2**20 bytes, as bench_env.py): torch's
     caching allocator (graph pools included, so MuJoCo Warp's temporaries inside a torch capture)
@@ -270,6 +320,7 @@ def main() -> None:
     ap.add_argument("--eager-max", type=int, default=256, help="largest size where graph and eager are compared")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--testspeed", action="store_true", help="also run mjwarp-testspeed on the scene")
+    ap.add_argument("--drift", action="store_true", help="also measure each MuJoCo Warp mode's restore and fork drift")
     ap.add_argument("--nstep", type=int, default=1000, help="steps of each mjwarp-testspeed run")
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")) / "bench_mujoco.json")
     args = ap.parse_args()
@@ -298,6 +349,8 @@ def main() -> None:
             row["mujoco_warp_graph_vs_eager"] = attempt(f"{n} graph vs eager", errors, graph_vs_eager, n)
         for kind in args.simulators:
             row[kind] = attempt(f"{n} {kind}", errors, bench_env, kind, n, args)
+            if kind.startswith("mujoco_warp") and args.drift:
+                row[kind]["drift"] = attempt(f"{n} {kind} drift", errors, drift, kind, n)
             print(n, kind, json.dumps({k: v for k, v in row[kind].items() if k != "step_graph_kernels"}), flush=True)
         result["env"].append(row)
         save()
