@@ -1,6 +1,7 @@
 """What a simulator provides to be wrapped with a VLA: the :class:`Simulator` (in-graph) and
-:class:`ExternalSimulator` (host) protocols, and :func:`check_simulator`, which names what one lacks.
-This module is all a simulator author reads.
+:class:`ExternalSimulator` (host) protocols, :class:`SplitTicks` (an in-graph simulator whose
+physics runs between the step's captured graphs), and :func:`check_simulator`, which names what
+one lacks. This module is all a simulator author reads.
 
 An in-graph simulator keeps its whole state in slot buffers of the env's one
 :class:`flashrt.runtime.BufferSet` (declared by :meth:`Simulator.specs`, named ``sim.*``) and
