@@ -117,6 +117,10 @@ class WarpPush(BoundState):
             100; a fixed count is recorded into the graph, so this bounds the graph's size).
         deterministic: MuJoCo Warp's run-to-run determinism (needed for byte-exact restores).
         nconmax, njmax: MuJoCo Warp's contact and constraint capacities per world.
+        loop: with ``capture="warp"``, the ticks and their physics steps as two nested while
+            loops of Warp's graph around one recorded ``mjw.step`` (one copy of the step and its
+            scratch in the graph) instead of ``ticks * frame_skip`` copies; the same kernels in
+            the same order.
     """
 
     action_dim = 2
@@ -135,17 +139,20 @@ class WarpPush(BoundState):
         deterministic: bool = True,
         nconmax: int = 32,
         njmax: int = 160,
+        loop: bool = False,
     ) -> None:
         if isinstance(num_slots, bool) or int(num_slots) < 1:
             raise ValueError(f"num_slots must be an int >= 1, got {num_slots!r}")
         if capture not in ("torch", "warp"):
             raise ValueError(f"capture must be 'torch' or 'warp', got {capture!r}")
+        if loop and capture != "warp":
+            raise ValueError("loop=True needs capture='warp': a torch capture cannot record Warp's while loops")
         for name, value in (("iterations", iterations), ("nconmax", nconmax), ("njmax", njmax)):
             if isinstance(value, bool) or int(value) < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         self.cfg = cfg = as_push_config(cfg)
         self.num_slots = int(num_slots)
-        self.capture = capture
+        self.capture, self.loop = capture, bool(loop)
         self.iterations, self.deterministic = int(iterations), bool(deterministic)
         self.nconmax, self.njmax = int(nconmax), int(njmax)
         self.mjm, self.layout = load_scene(cfg)
@@ -301,16 +308,23 @@ class WarpPush(BoundState):
                 "dense": wp.from_torch(self._dense),
                 "sparse": wp.from_torch(self._sparse),
             }
-            self._programs[ticks] = {"actions": actions, "views": views, "graph": None}
+            counters = {
+                name: wp.zeros(1, dtype=wp.int32, device=self.wp_device) for name in ("ticks_left", "steps_left")
+            }
+            self._programs[ticks] = {"actions": actions, "views": views, "graph": None, **counters}
         return self._programs[ticks]
 
     def _launch(self, ticks: int) -> None:
-        """Every tick's Warp work (control, load, steps, store, rewards), on Warp's current stream."""
+        """Every tick's Warp work (control, load, steps, store, rewards), on Warp's current stream:
+        unrolled, or with ``loop`` as two nested while loops around one tick and one physics step."""
         k, p = warp_api(), self._programs[ticks]
         v, table, n = p["views"], self.cfg.table, self.num_slots
         ring = table.ee_radius + table.obj_radius
         common = (v["rows"], self._ee, v["obj"], v["goal"], ring)
         k.wp.launch(k.measure, dim=n, inputs=[*common, v["dist"]])
+        if self.loop:
+            self._launch_looped(ticks, common)
+            return
         for t in range(ticks):
             k.wp.launch(k.write_ctrl, dim=n, inputs=[v["rows"], v["actions"], v["alive"], t, self._ctrl, self._speed])
             k.mjw.set_state(self.m, self.d, v["rows"], STATE_SIG)
@@ -319,6 +333,33 @@ class WarpPush(BoundState):
             k.mjw.get_state(self.m, self.d, v["rows"], STATE_SIG, active=v["alive"])
             inputs = [*common, table.goal_radius, v["dist"], v["alive"], v["tick"], v["dense"], v["sparse"]]
             k.wp.launch(k.score, dim=n, inputs=inputs)
+
+    def _launch_looped(self, ticks: int, common: tuple) -> None:
+        """The ticks as a while loop over one tick, whose physics is a while loop over one
+        ``mjw.step``: in a captured graph, one recorded copy of the step (and of its scratch)
+        instead of ``ticks * frame_skip``. The counters live on the device."""
+        k, p = warp_api(), self._programs[ticks]
+        wp, v, n = k.wp, p["views"], self.num_slots
+        ticks_left, steps_left = p["ticks_left"], p["steps_left"]
+        goal_radius = self.cfg.table.goal_radius
+
+        def one_step() -> None:
+            k.mjw.step(self.m, self.d)
+            wp.launch(k.count_down, dim=1, inputs=[steps_left])
+
+        def one_tick() -> None:
+            wp.launch(k.write_ctrl_left, dim=n, inputs=[v["rows"], v["actions"], v["alive"], ticks_left, ticks,
+                                                        self._ctrl, self._speed])  # fmt: skip
+            k.mjw.set_state(self.m, self.d, v["rows"], STATE_SIG)
+            wp.launch(k.set_count, dim=1, inputs=[steps_left, self.cfg.frame_skip])
+            wp.capture_while(steps_left, one_step)
+            k.mjw.get_state(self.m, self.d, v["rows"], STATE_SIG, active=v["alive"])
+            inputs = [*common, goal_radius, v["dist"], v["alive"], v["tick"], v["dense"], v["sparse"]]
+            wp.launch(k.score, dim=n, inputs=inputs)
+            wp.launch(k.count_down, dim=1, inputs=[ticks_left])
+
+        wp.launch(k.set_count, dim=1, inputs=[ticks_left, ticks])
+        wp.capture_while(ticks_left, one_tick)
 
     def _stream(self) -> Any:
         """Warp's handle of the current torch stream."""

@@ -49,6 +49,33 @@ def warp_api() -> SimpleNamespace:
         state[w, ctrl + 1] = wp.clamp(actions[w, t, 1], -1.0, 1.0) * speed
 
     @wp.kernel
+    def write_ctrl_left(
+        state: wp.array2d(dtype=wp.float32),
+        actions: wp.array3d(dtype=wp.float32),
+        alive: wp.array(dtype=wp.bool),
+        left: wp.array(dtype=wp.int32),
+        ticks: int,
+        ctrl: int,
+        speed: float,
+    ):
+        """``write_ctrl`` of tick ``ticks - left[0]``: the tick read on the device, in a loop."""
+        w = wp.tid()
+        t = ticks - left[0]
+        if not alive[w]:
+            return
+        state[w, ctrl] = wp.clamp(actions[w, t, 0], -1.0, 1.0) * speed
+        state[w, ctrl + 1] = wp.clamp(actions[w, t, 1], -1.0, 1.0) * speed
+
+    # the bodies name ``wp`` so that Warp, reading the annotations as strings, finds it in the closure
+    @wp.kernel
+    def set_count(counter: wp.array(dtype=wp.int32), value: int):
+        counter[0] = wp.int32(value)
+
+    @wp.kernel
+    def count_down(counter: wp.array(dtype=wp.int32)):
+        counter[0] = counter[0] - wp.int32(1)
+
+    @wp.kernel
     def measure(
         state: wp.array2d(dtype=wp.float32),
         ee: int,
@@ -85,7 +112,16 @@ def warp_api() -> SimpleNamespace:
             alive[w] = not success
         dist[w] = after
 
-    return SimpleNamespace(wp=wp, mjw=mjw, write_ctrl=write_ctrl, measure=measure, score=score)
+    return SimpleNamespace(
+        wp=wp,
+        mjw=mjw,
+        write_ctrl=write_ctrl,
+        write_ctrl_left=write_ctrl_left,
+        set_count=set_count,
+        count_down=count_down,
+        measure=measure,
+        score=score,
+    )
 
 
 class TorchAllocator:

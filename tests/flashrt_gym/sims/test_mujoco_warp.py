@@ -34,9 +34,9 @@ N = 4
 
 def warp_env(device: str, micro, n: int = N, graphs: bool = True, **kw) -> FlashRTVectorEnv:
     """The env around MuJoCo Warp: the shipped tiny policy on CUDA, the micro one on the CPU."""
-    cfg, capture = kw.pop("cfg", None), kw.pop("capture", "torch")
+    cfg, capture, loop = kw.pop("cfg", None), kw.pop("capture", "torch"), kw.pop("loop", False)
     weights = None if device == "cuda" else micro
-    sim = functools.partial(WarpPush, cfg=cfg, capture=capture)
+    sim = functools.partial(WarpPush, cfg=cfg, capture=capture, loop=loop)
     return FlashRTVectorEnv(n, device=device, graphs=graphs, weights=weights, simulator=sim, **kw)
 
 
@@ -215,6 +215,28 @@ def test_split_step_runs_warps_own_graph_between_two_captured_parts(device, micr
     fixed = warp_env(device, micro, n=n, max_episode_steps=3)  # capture="torch": the fixed iteration bound
     fixed.reset(seed=5)
     assert equal(run(fixed, acts), one)  # the conditional loop stops where converged worlds stop changing
+
+
+@pytest.mark.parametrize("device", [WARP_CPU, CUDA])
+def test_the_looped_physics_equals_the_unrolled_one(device, micro):
+    """``loop=True``: the ticks and their physics steps as nested while loops of Warp's graph
+    around one recorded step (on CUDA, conditional nodes nested around the solver's own) give the
+    unrolled graph's bytes through autoresets (one world on CUDA). Mutation: a loop of one physics
+    step fewer a tick (another ``frame_skip``) departs. ``loop`` without ``capture="warp"`` is
+    refused."""
+    n = 1 if device == "cuda" else N
+    acts = noise(n, 6, device, seed=6)
+
+    def trajectory(cfg: PushConfig | None = None, **kw) -> list[torch.Tensor]:
+        env = warp_env(device, micro, n=n, capture="warp", max_episode_steps=3, cfg=cfg, **kw)
+        env.reset(seed=8)
+        return run(env, acts)
+
+    unrolled = trajectory()
+    assert equal(trajectory(loop=True), unrolled)
+    assert not equal(trajectory(PushConfig(frame_skip=9), loop=True), unrolled)
+    with pytest.raises(ValueError, match="loop=True needs capture='warp'"):
+        WarpPush(1, loop=True)
 
 
 def deviation(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
