@@ -33,6 +33,20 @@ def warp_api() -> SimpleNamespace:
         dy = state[w, ee + 1] - py
         return wp.vec2(wp.length(wp.vec2(px, py) - goal), wp.max(wp.sqrt(dx * dx + dy * dy) - ring_r, 0.0))
 
+    @wp.func
+    def drive(
+        state: wp.array2d(dtype=wp.float32),
+        actions: wp.array3d(dtype=wp.float32),
+        alive: wp.array(dtype=wp.bool),
+        w: int,
+        t: int,
+        ctrl: int,
+        speed: float,
+    ):
+        if alive[w]:  # a frozen world keeps its whole row
+            state[w, ctrl] = wp.clamp(actions[w, t, 0], -1.0, 1.0) * speed
+            state[w, ctrl + 1] = wp.clamp(actions[w, t, 1], -1.0, 1.0) * speed
+
     @wp.kernel
     def write_ctrl(
         state: wp.array2d(dtype=wp.float32),
@@ -42,11 +56,7 @@ def warp_api() -> SimpleNamespace:
         ctrl: int,
         speed: float,
     ):
-        w = wp.tid()
-        if not alive[w]:  # a frozen world keeps its whole row
-            return
-        state[w, ctrl] = wp.clamp(actions[w, t, 0], -1.0, 1.0) * speed
-        state[w, ctrl + 1] = wp.clamp(actions[w, t, 1], -1.0, 1.0) * speed
+        drive(state, actions, alive, wp.tid(), t, ctrl, speed)
 
     @wp.kernel
     def write_ctrl_left(
@@ -59,12 +69,7 @@ def warp_api() -> SimpleNamespace:
         speed: float,
     ):
         """``write_ctrl`` of tick ``ticks - left[0]``: the tick read on the device, in a loop."""
-        w = wp.tid()
-        t = ticks - left[0]
-        if not alive[w]:
-            return
-        state[w, ctrl] = wp.clamp(actions[w, t, 0], -1.0, 1.0) * speed
-        state[w, ctrl + 1] = wp.clamp(actions[w, t, 1], -1.0, 1.0) * speed
+        drive(state, actions, alive, wp.tid(), ticks - left[0], ctrl, speed)
 
     # the bodies name ``wp`` so that Warp, reading the annotations as strings, finds it in the closure
     @wp.kernel

@@ -10,7 +10,7 @@ import torch
 from flashrt_gym import FlashRTVectorEnv
 from flashrt_gym.sims.tabletop import Tabletop
 from flashrt_gym.simulator import splits_ticks
-from tests.flashrt_gym.support.split_tabletop import SplitTabletop
+from tests.flashrt_gym.support.split_tabletop import SplitTabletop, physics_first
 
 N = 4
 
@@ -75,20 +75,10 @@ def test_the_plan_runs_its_parts_in_order(micro, monkeypatch):
     """Mutation: the physics before the ticks are loaded (it steps the previous step's scratch)
     departs from the one-program step."""
     e, one = env(True, micro), env(False, micro)
-    engine = e.engine
-
-    def physics_first() -> None:
-        if "act" not in engine.graph:
-            engine.graph.capture("act", engine._act_and_begin_ticks, guard=engine._guard)
-            engine.graph.capture("finish", engine._end_ticks_and_finish, guard=engine._guard)
-        engine.sim.physics(engine.cfg.n_action_steps)
-        engine.graph.replay("act")
-        engine.graph.replay("finish")
-
     for x in (e, one):
         x.reset(seed=2)
     trajectory(e, acts(1))  # the first step loads the scratch before any physics runs
-    monkeypatch.setattr(engine, "_launch", physics_first)
+    monkeypatch.setattr(e.engine, "_launch", physics_first(e.engine))
     trajectory(one, acts(1))
     assert not same(trajectory(e, acts(3, seed=5)), trajectory(one, acts(3, seed=5)))
 

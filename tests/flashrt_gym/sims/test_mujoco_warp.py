@@ -22,6 +22,7 @@ from flashrt_gym.sims import MujocoPush, PushConfig, WarpPush
 from flashrt_gym.sims.push.mujoco_warp import state_offsets
 from flashrt_gym.sims.push.warp_api import warp_api
 from flashrt_gym.simulator import Simulator, is_external
+from tests.flashrt_gym.support.split_tabletop import physics_first
 
 CUDA = pytest.param(
     "cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -186,16 +187,7 @@ def test_split_step_runs_warps_own_graph_between_two_captured_parts(device, micr
                 monkeypatch.setattr(engine, "_launch", engine.program)
                 monkeypatch.setattr(engine, "held", lambda: True)
         if plan == "physics_first":
-
-            def physics_first() -> None:
-                if "act" not in engine.graph:
-                    engine.graph.capture("act", engine._act_and_begin_ticks, guard=engine._guard)
-                    engine.graph.capture("finish", engine._end_ticks_and_finish, guard=engine._guard)
-                engine.sim.physics(engine.cfg.n_action_steps)
-                engine.graph.replay("act")
-                engine.graph.replay("finish")
-
-            monkeypatch.setattr(engine, "_launch", physics_first)
+            monkeypatch.setattr(engine, "_launch", physics_first(engine))
         env.reset(seed=5)
         out = run(env, acts)
         if plan == "split":

@@ -6,11 +6,28 @@ byte for byte, and a refused step must leave every ``sim.*`` buffer as it was.""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import torch
 
 from flashrt.runtime import BufferSet
+from flashrt_gym.engine import Engine
 from flashrt_gym.sims.tabletop import Tabletop, TabletopConfig
+
+
+def physics_first(engine: Engine) -> Callable[[], None]:
+    """A wrong split step (the mutation): the physics launched before the act graph loads the
+    ticks, so it steps what the previous step left in the scratch."""
+
+    def launch() -> None:
+        if "act" not in engine.graph:
+            engine.graph.capture("act", engine._act_and_begin_ticks, guard=engine._guard)
+            engine.graph.capture("finish", engine._end_ticks_and_finish, guard=engine._guard)
+        engine.sim.physics(engine.cfg.n_action_steps)
+        engine.graph.replay("act")
+        engine.graph.replay("finish")
+
+    return launch
 
 
 class SplitTabletop(Tabletop):
