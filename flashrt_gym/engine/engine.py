@@ -351,10 +351,7 @@ class Engine:
         checks): how benchmarks time the step program alone. Call :meth:`launch` once first."""
         if self.mirror is not None:
             raise ValueError("an external simulator's step is two graphs and a host hand-off: time launch()")
-        if self._launch == self._launch_split:
-            self._launch_split()
-            return
-        self.graph.replay("step")
+        self._launch()  # the plan's replays (captured by the first launch)
 
     def held(self) -> bool:
         """Whether the last launch's actions were in bounds (its step ran); waits for the guard."""
