@@ -63,7 +63,7 @@ from flashrt_gym.sims.push.task import (
     model_digest,
     yaw_of,
 )
-from flashrt_gym.sims.push.warp_api import TorchAllocator, warp_api
+from flashrt_gym.sims.push.warp_api import KeptAllocator, TorchAllocator, warp_api
 from flashrt_gym.simulator import BoundState
 
 STATE_SIG = int(mujoco.mjtState.mjSTATE_INTEGRATION)
@@ -417,9 +417,15 @@ class WarpPush(BoundState):
             self._launch(ticks)  # on the torch stream
             for t, s in zip(self._scratch, saved, strict=True):
                 t.copy_(s)
+            # looped: the body's allocations are kept with the program (no memory nodes in a while body)
+            kept = KeptAllocator(self.device) if self.loop else None
             with wp.ScopedStream(on_side, sync_enter=False), wp.ScopedCapture(stream=on_side) as cap:
-                self._launch(ticks)
-            p["graph"] = cap.graph
+                if kept is None:
+                    self._launch(ticks)
+                else:
+                    with wp.ScopedAllocator(self.wp_device, kept):
+                        self._launch(ticks)
+            p["graph"], p["kept"] = cap.graph, kept
         side.wait_stream(current)
         wp.capture_launch(p["graph"], stream=on_side)
         current.wait_stream(side)

@@ -1,7 +1,8 @@
 """MuJoCo Warp's side of :class:`flashrt_gym.sims.WarpPush`: the Warp module and the task's Warp
-kernels (imported lazily, on first use), and the allocator that serves MuJoCo Warp's temporaries
-from torch's caching allocator while it runs on the torch stream (inside a torch capture: from
-the graph's memory pool)."""
+kernels (imported lazily, on first use), and the two allocators that serve MuJoCo Warp's
+temporaries from torch's caching allocator: while it runs on the torch stream (inside a torch
+capture: from the graph's memory pool), and while a looped graph is recorded (kept for the graph's
+lifetime)."""
 
 from __future__ import annotations
 
@@ -155,3 +156,27 @@ class TorchAllocator:
     def deallocate(self, ptr: int, size_in_bytes: int) -> None:
         if self._blocks.pop(ptr, None) is None:
             self.fallback.deallocate(ptr, size_in_bytes)
+
+
+class KeptAllocator:
+    """A Warp allocator whose blocks come from torch's caching allocator and stay allocated until
+    the allocator is dropped. A MuJoCo Warp step allocates its solver's and broad phase's scratch
+    at every call; recorded in the body of a conditional (while) node of Warp's graph, those
+    allocations cannot be memory nodes (CUDA refuses them there), so they are plain device memory
+    that the graph's owner holds: one recorded step's scratch, reused by every iteration.
+
+    Args:
+        device: the torch CUDA device.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.blocks: list[torch.Tensor] = []
+
+    def allocate(self, size_in_bytes: int) -> int:
+        block = torch.empty(max(size_in_bytes, 1), dtype=torch.uint8, device=self.device)
+        self.blocks.append(block)
+        return block.data_ptr()
+
+    def deallocate(self, ptr: int, size_in_bytes: int) -> None:
+        """Nothing: the recorded graph reads and writes the block at every replay."""
