@@ -29,7 +29,14 @@ this simulator's (a fixed iteration bound, determinism) and with each of those t
 (``MJW_OPTIONS``); with ``--testspeed``,
 ``mjwarp-testspeed`` (MuJoCo Warp's own benchmark) on the scene. With ``--drift``, each MuJoCo
 Warp mode's exactness (:func:`drift`): how far a restored run and a fork under equal actions
-depart after 1, 10 and 40 chunks.
+depart after 1, 10 and 40 chunks. For the split rows also the physics share: Warp's graph of the
+step's ticks replayed alone (``physics_ms``, beside ``physics_steps``, to set against
+``mjwarp-testspeed``'s time for as many steps).
+
+Each measurement (an env row with its drift, the tick rows of a size, graph against eager, a
+``mjwarp-testspeed`` run) runs in a process of its own, sharing Warp's kernel cache: its memory
+figures are its own, and one row that runs out of memory or breaks a capture cannot take the
+rows after it down (in one process, rows at 4 096 worlds ran out of what earlier rows held).
 
     python scripts/bench_mujoco.py --testspeed --out $OUT/bench_mujoco.json
 """
@@ -45,9 +52,7 @@ import subprocess
 import sys
 import time
 import warnings
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import torch
 from benchlib import graph_kernels, provenance, wall_ms
@@ -236,6 +241,10 @@ def bench_env(kind: str, n: int, args: argparse.Namespace) -> dict:
     if kind.startswith("mujoco_warp"):
         row["guarded_graph_warnings"] = [str(w.message) for w in caught if "runtime.guarded" in str(w.message)]
         row["program_ms"] = wall_ms(env.engine.replay, args.reps)
+        sim, ticks = env.engine.sim, env.engine.cfg.n_action_steps
+        if sim.capture == "warp":  # the physics share: Warp's graph of the step's ticks alone
+            row["physics_ms"] = wall_ms(functools.partial(sim.physics, ticks), args.reps)
+            row["physics_steps"] = ticks * sim.cfg.frame_skip
         row["step_graph_kernels"] = graph_kernels(env.engine.replay)
         row["flagged_worlds"] = env.engine.sim.overflow()
     del env
@@ -301,15 +310,54 @@ def testspeed(n: int, nstep: int) -> dict:
     return out
 
 
-def attempt(what: str, errors: list[str], fn: Callable[..., Any], *args: Any) -> Any:
-    """``fn(*args)``, or ``{"error": ...}`` where it raises: one failing row is recorded (and
-    counted in ``errors``) and the run goes on to the next."""
+def measure(item: str, n: int, args: argparse.Namespace) -> dict:
+    """One measurement of ``item`` at ``n`` worlds, in this process (``--one``)."""
+    frame_skip = PushConfig().frame_skip
+    if item == "graph_vs_eager":
+        return graph_vs_eager(n)
+    if item.startswith("env:"):
+        kind = item.removeprefix("env:")
+        row = bench_env(kind, n, args)
+        if kind.startswith("mujoco_warp") and args.drift:
+            row["drift"] = drift(kind, n)
+        return row
+    if item == "tick":
+        return {
+            "tick_torch_graph_ms": warp_tick(n, "torch", args.reps),
+            "tick_warp_graph_ms": warp_tick(n, "warp", args.reps),
+            **{
+                f"mjw_step_x{frame_skip}_{name}_ms": mjw_steps(n, frame_skip, fixed, det, args.reps)
+                for name, fixed, det in MJW_OPTIONS
+            },
+        }
+    if item == "testspeed":
+        return testspeed(n, args.nstep)
+    raise ValueError(f"unknown measurement {item!r}")
+
+
+def isolated(item: str, n: int, args: argparse.Namespace, errors: list[str]) -> dict:
+    """``measure(item, n)`` in a process of its own: its memory is its own (a row cannot run out
+    of what an earlier one holds), and a failed capture cannot poison the next row's CUDA state.
+    Warp's kernel cache (``WARP_CACHE_PATH`` or its default folder) is shared, so each module
+    compiles once. A failure is recorded (and counted in ``errors``) and the run goes on."""
+    cmd = [sys.executable, __file__, "--one", item, "--sizes", str(n), "--steps", str(args.steps)]
+    cmd += ["--warmup", str(args.warmup), "--cpu-budget-s", str(args.cpu_budget_s), "--reps", str(args.reps)]
+    cmd += ["--nstep", str(args.nstep)] + (["--drift"] if args.drift else [])
     try:
-        return fn(*args)
-    except Exception as e:  # a row's failure is a result of the run
-        errors.append(f"{what}: {type(e).__name__}: {e}")
-        print(f"{what} failed: {type(e).__name__}: {e}", flush=True)
-        return {"error": f"{type(e).__name__}: {e}"}
+        run = subprocess.run(cmd, capture_output=True, text=True, timeout=args.row_timeout_s)
+    except subprocess.TimeoutExpired:
+        run = None
+    lines = [line for line in (run.stdout if run else "").splitlines() if line.startswith(ROW_TAG)]
+    if run is not None and run.returncode == 0 and lines:
+        return json.loads(lines[-1].removeprefix(ROW_TAG))
+    why = f"timed out after {args.row_timeout_s} s" if run is None else f"exit {run.returncode}: " + run.stderr[-1500:]
+    errors.append(f"{n} {item}: {why}")
+    print(f"{n} {item} failed: {why}", flush=True)
+    return {"error": why}
+
+
+ROW_TAG = "ROW "
+"""What starts the result line of a ``--one`` process."""
 
 
 def main() -> None:
@@ -324,19 +372,23 @@ def main() -> None:
     ap.add_argument("--testspeed", action="store_true", help="also run mjwarp-testspeed on the scene")
     ap.add_argument("--drift", action="store_true", help="also measure each MuJoCo Warp mode's restore and fork drift")
     ap.add_argument("--nstep", type=int, default=1000, help="steps of each mjwarp-testspeed run")
+    ap.add_argument("--row-timeout-s", type=int, default=900, help="a measurement's process is stopped after this")
+    ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # internal: one measurement, in this process
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")) / "bench_mujoco.json")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_mujoco.py measures the GPU env: run it on a machine with a CUDA GPU")
     k = warp_api()
     k.wp.config.quiet = True  # Warp's per-module load lines would bury the results
-    frame_skip = PushConfig().frame_skip
+    if args.one is not None:
+        print(ROW_TAG + json.dumps(measure(args.one, args.sizes[0], args)), flush=True)
+        return
     result: dict = {
         **provenance(),
         "warp": k.wp.__version__,
         "mujoco_warp": getattr(k.mjw, "__version__", "unknown"),
         "args": vars(args) | {"out": str(args.out)},
-        "frame_skip": frame_skip,
+        "frame_skip": PushConfig().frame_skip,
         "env": [],
         "tick": [],
     }
@@ -347,28 +399,17 @@ def main() -> None:
     errors: list[str] = []
     for n in tqdm(args.sizes, desc="world counts", unit="size"):
         row: dict = {"num_envs": n}
-        if "mujoco_warp" in args.simulators and n <= args.eager_max:
-            row["mujoco_warp_graph_vs_eager"] = attempt(f"{n} graph vs eager", errors, graph_vs_eager, n)
-        for kind in args.simulators:
-            row[kind] = attempt(f"{n} {kind}", errors, bench_env, kind, n, args)
-            if kind.startswith("mujoco_warp") and args.drift:
-                row[kind]["drift"] = attempt(f"{n} {kind} drift", errors, drift, kind, n)
-            print(n, kind, json.dumps({k: v for k, v in row[kind].items() if k != "step_graph_kernels"}), flush=True)
         result["env"].append(row)
-        save()
-        tick = {
-            "worlds": n,
-            "tick_torch_graph_ms": attempt(f"{n} tick (torch graph)", errors, warp_tick, n, "torch", args.reps),
-            "tick_warp_graph_ms": attempt(f"{n} tick (Warp graph)", errors, warp_tick, n, "warp", args.reps),
-            **{
-                f"mjw_step_x{frame_skip}_{name}_ms": attempt(
-                    f"{n} mjw step ({name})", errors, mjw_steps, n, frame_skip, fixed, det, args.reps
-                )
-                for name, fixed, det in MJW_OPTIONS
-            },
-        }
+        if "mujoco_warp" in args.simulators and n <= args.eager_max:
+            row["mujoco_warp_graph_vs_eager"] = isolated("graph_vs_eager", n, args, errors)
+        for kind in args.simulators:
+            row[kind] = isolated(f"env:{kind}", n, args, errors)
+            print(n, kind, json.dumps({k: v for k, v in row[kind].items() if k != "step_graph_kernels"}), flush=True)
+            result["errors"] = errors
+            save()
+        tick = {"worlds": n, **isolated("tick", n, args, errors)}
         if args.testspeed:
-            tick["mjwarp_testspeed"] = attempt(f"{n} testspeed", errors, testspeed, n, args.nstep)
+            tick["mjwarp_testspeed"] = isolated("testspeed", n, args, errors)
         print(n, "tick", json.dumps({k: v for k, v in tick.items() if k != "mjwarp_testspeed"}), flush=True)
         result["tick"].append(tick)
         result["errors"] = errors
