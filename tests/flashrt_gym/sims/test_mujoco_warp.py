@@ -69,42 +69,90 @@ def test_warp_push_is_an_in_graph_simulator(device):
     assert isinstance(sim, Simulator) and sim.success.shape == (2,) and sim.success.device.type == device
 
 
-@pytest.mark.parametrize("device", [WARP_CPU, CUDA])
-def test_starts_and_rewards_follow_the_cpu_backend(device):
-    """Same seeds: the same episode (positions equal to float32 rounding). Same actions:
-    rewards within float32's drift of MuJoCo's C library. Mutation: other actions do not. No
-    world is flagged for dropped contacts; one with room for one contact is."""
+def paired(device: str) -> tuple[WarpPush, MujocoPush, runtime.BufferSet]:
+    """The same four episodes (seeds 11 ...) on MuJoCo Warp and on MuJoCo's C library."""
     sim = WarpPush(N)
     bufs = runtime.BufferSet(sim.specs(), N, device)
     sim.bind(bufs)
     sim.seed(torch.arange(N, device=device) + 11)
     sim.reset()
-    cpu, other = MujocoPush(N), MujocoPush(N)
+    cpu = MujocoPush(N)
     cpu.seed(np.arange(N) + 11)
     cpu.reset()
+    return sim, cpu, bufs
+
+
+@pytest.mark.parametrize("device", [WARP_CPU, CUDA])
+def test_starts_and_the_first_chunk_follow_the_cpu_backend(device):
+    """Same seeds: the same episode (positions equal to float32 rounding). Same actions, one
+    chunk of two ticks: observations and rewards within float32's drift of MuJoCo's C library
+    (2e-6 and 1e-7 measured; two C runs 1e-6 apart part by 3.5e-6), success flags equal.
+    Mutation: the negated actions' rewards differ. No world is flagged for dropped contacts;
+    one with room for one contact is. (Later chunks part further: contacts grow float32's
+    rounding, and MuJoCo Warp's cylinder-floor contact is off in float32, see the next test.)"""
+    sim, cpu, _ = paired(device)
+    other = MujocoPush(N)
     other.set_state(None, cpu.get_state())
     obs = torch.empty(N, sim.observation_dim, device=device)
     sim.observation(obs)
     assert np.allclose(obs.cpu().numpy(), cpu.observation(), atol=1e-6)
     dense, sparse = torch.zeros(N, device=device), torch.zeros(N, device=device)
-    for a in noise(N, 3, device)[:3]:
-        chunk = a.view(N, 8, 2)[:, :2]
-        sim.run_ticks(chunk, dense, sparse)
-        want = cpu.run_ticks(chunk.cpu().numpy())
-        wrong = other.run_ticks(-chunk.cpu().numpy())
-        assert np.allclose(dense.cpu().numpy(), want[0], atol=2e-3)
-        assert np.array_equal(sparse.cpu().numpy(), want[1])
-    assert not np.allclose(dense.cpu().numpy(), wrong[0], atol=2e-3)
+    chunk = noise(N, 1, device)[0].view(N, 8, 2)[:, :2]
+    sim.run_ticks(chunk, dense, sparse)
+    want = cpu.run_ticks(chunk.cpu().numpy())
+    wrong = other.run_ticks(-chunk.cpu().numpy())
+    assert np.allclose(dense.cpu().numpy(), want[0], atol=1e-4)
+    assert np.array_equal(sparse.cpu().numpy(), want[1])
+    assert not np.allclose(wrong[0], want[0], atol=1e-4)
     assert sim.overflow()["capacity"] == 0  # no contact or constraint was dropped
     sim.observation(obs)
-    assert np.allclose(obs.cpu().numpy(), cpu.observation(), atol=5e-3)
+    assert np.allclose(obs.cpu().numpy(), cpu.observation(), atol=1e-4)
 
     small = WarpPush(N, nconmax=1, njmax=4)  # mutation: room for one contact a world is flagged
     small.bind(runtime.BufferSet(small.specs(), N, device))
     small.seed(torch.arange(N, device=device) + 11)
     small.reset()
-    small.run_ticks(noise(N, 1, device)[0].view(N, 8, 2)[:, :2], dense, sparse)
+    small.run_ticks(chunk, dense, sparse)
     assert small.overflow()["capacity"] == N
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="MuJoCo Warp 4.0.0's plane_cylinder loses the deepest contact of a cylinder tilted by "
+    "~1e-4 rad in float32 (the axis's z of 1.0000002 flips the sign of prjaxis**2 - 1): 2.1e-2 in "
+    "position at world 1's third tick, where a cancellation-free formula gives 2e-7",
+)
+@pytest.mark.parametrize("device", [WARP_CPU, CUDA])
+def test_each_tick_from_the_cpu_backends_state_follows_it(device):
+    """Each tick loaded from MuJoCo's C library's state (its float64 row cast to the simulator's
+    float32 row), one tick of both under the same actions: the worlds' positions agree within
+    1e-3. With MuJoCo Warp's cylinder-floor contact computed exactly (patched in, on Warp's CPU
+    device) a tick parts by at most 2.3e-4: 2e-5 at the first tick (the objects start exactly
+    touching the floor, a contact for the C library and not yet for MuJoCo Warp), 2.3e-4 where
+    an upright cylinder's contact triangle lies otherwise than the C library's, and under 1e-6
+    elsewhere; unpatched, 2.1e-2 at world 1's third tick. Teacher-forced, so chaos cannot grow a
+    rounding difference over ticks; what parts is a step computed differently. Mutation: a tick
+    under the negated actions departs. Fails today on MuJoCo Warp's own contact (the mark says
+    where); strict, so a fixed release shows up here."""
+    sim, cpu, bufs = paired(device)
+    start = state_offsets(cpu.model)["qpos"]
+    qpos = slice(start, start + cpu.model.nq)
+    dense, sparse = torch.zeros(N, device=device), torch.zeros(N, device=device)
+    worst, moved = 0.0, 0.0
+    for a in noise(N, 3, device):
+        for tick in a.view(N, 8, 2)[:, :2].unbind(1):
+            rows = cpu.get_state().view(np.float64)[:, : cpu.physics_size]
+            bufs["sim.physics"].copy_(torch.from_numpy(rows).float())
+            before = bufs["sim.physics"][:, qpos].clone()
+            sim.run_ticks(tick[:, None], dense, sparse)
+            cpu.run_ticks(tick[:, None].cpu().numpy())
+            want = torch.from_numpy(cpu.get_state().view(np.float64)[:, qpos]).float().to(device)
+            worst = max(worst, float((bufs["sim.physics"][:, qpos] - want).abs().max()))
+            bufs["sim.physics"][:, qpos].copy_(before)
+            sim.run_ticks(-tick[:, None], dense, sparse)  # mutation: the negated actions from the same state
+            moved = max(moved, float((bufs["sim.physics"][:, qpos] - want).abs().max()))
+    assert moved > 1e-3, moved
+    assert worst <= 1e-3, worst
 
 
 @pytest.mark.parametrize("device", [WARP_CPU, CUDA])
@@ -271,51 +319,59 @@ def test_graph_equals_eager_byte_for_byte_at_one_world():
 
 
 LOCKSTEP_TOL = 0.1
-"""How far one step of two envs of several worlds from the same boundary may differ, relative to
+"""How far one step of two envs of several worlds from the same boundary may differ in what the
+agent sees (observations, final observations, rewards) and in the worlds' positions, relative to
 ``1 + |value|``. With more than one world MuJoCo Warp does not repeat a step bit for bit from run
-to run, even in its deterministic mode; where the solver stops at its iteration bound, contacts
-grow that into large differences within the 40 physics steps of a chunk (figures in
-docs/PERFORMANCE.md). This bound leaves room for that on the test's trajectories and still
-catches a step computed wrongly: one step of another ``frame_skip`` differs by far more."""
+to run, even in its deterministic mode; contacts grow that within the 40 physics steps of a
+chunk, most in the solver's internals (at ``26b1223`` on an H100, two *eager* envs restored from
+one capsule parted by 6.5 in a world's warm-start columns while their observations stayed within
+8e-4). This bound leaves room for that and still catches a step computed wrongly: one step of
+another ``frame_skip`` differs by far more."""
+
+
+def seen(out: list[torch.Tensor], qpos: slice) -> list[torch.Tensor]:
+    """Of :func:`run`'s outputs of one step, what the agent sees and the worlds' positions: the
+    physics row cut to its ``qpos`` columns."""
+    *outputs, physics = out
+    return [*outputs, physics[:, qpos]]
 
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_graph_matches_eager_step_by_step_over_several_worlds():
     """Over several worlds the captured step matches the eager step taken from the same
-    boundary, every output and the physics rows, with episodes ending inside the replays; so do
-    the eager step with the physics replayed from Warp's own graph (``capture="warp"``) and the
-    captured step split around it. Each step
-    restores every env from the eager env's capsule first, so that run-to-run differences cannot
-    accumulate (:data:`LOCKSTEP_TOL`); this is what the one-world test cannot see: a slot's rows
-    mixed with another's. Flags and integer outputs must be equal, floats within the bound.
-    Mutation: the same comparison against a simulator of another frame_skip fails."""
+    boundary (every output, and the worlds' positions), with episodes ending inside the replays;
+    so do the eager step with the physics replayed from Warp's own graph (``capture="warp"``) and
+    the captured step split around it. Each step restores every env from the eager env's capsule
+    first, so that run-to-run differences cannot accumulate (:data:`LOCKSTEP_TOL`); this is what
+    the one-world test cannot see: a slot's rows mixed with another's. Flags and integer outputs
+    must be equal, floats within the bound. Mutation: the same comparison with the captured
+    step's slots shifted by one (each slot's outputs set against its neighbour's) fails."""
     kw = {"max_episode_steps": 3}
     eager = warp_env("cuda", None, graphs=False, **kw)
     others = {
         "graph": warp_env("cuda", None, **kw),
         "warp": warp_env("cuda", None, graphs=False, capture="warp", **kw),
         "split": warp_env("cuda", None, capture="warp", **kw),
-        "frame_skip_9": warp_env("cuda", None, graphs=False, cfg=PushConfig(frame_skip=9), **kw),
     }
-    wrong = others["frame_skip_9"].engine.bufs  # another deployment: restore() refuses eager's capsules
-    assert wrong.layout_digest == eager.engine.bufs.layout_digest
+    start = state_offsets(eager.engine.sim.mjm)["qpos"]
+    qpos = slice(start, start + eager.engine.sim.mjm.nq)
     for env in (eager, *others.values()):
         env.reset(seed=1)
-    worst, autoresets = dict.fromkeys(others, 0.0), 0
+    worst, shifted, autoresets = dict.fromkeys(others, 0.0), 0.0, 0
     for a in noise(N, 7, "cuda", seed=2):
         capsule = eager.snapshot()
-        for name in ("graph", "warp", "split"):
-            others[name].restore(capsule)
-        wrong.slot_arena.copy_(eager.engine.bufs.slot_arena)
-        got = {name: run(env, [a]) for name, env in others.items()}
-        want = run(eager, [a])
+        for env in others.values():
+            env.restore(capsule)
+        got = {name: seen(run(env, [a]), qpos) for name, env in others.items()}
+        want = seen(run(eager, [a]), qpos)
         autoresets += int(want[5].sum())
         for name, out in got.items():
             worst[name] = max(worst[name], deviation(out, want))
+        shifted = max(shifted, deviation([x.roll(1, 0) for x in got["graph"]], want))
     assert autoresets  # episodes ended inside the steps compared
-    assert max(worst[k] for k in ("graph", "warp", "split")) <= LOCKSTEP_TOL, worst
-    assert worst["frame_skip_9"] > LOCKSTEP_TOL, worst
+    assert max(worst.values()) <= LOCKSTEP_TOL, worst
+    assert shifted > LOCKSTEP_TOL, shifted
 
 
 @pytest.mark.cuda
