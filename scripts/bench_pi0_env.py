@@ -8,8 +8,10 @@ physics, autoresets, render, encode), beside nothing published to compare with.
   written once as a bf16 weights folder and loaded by the env like any other. The tests'
   SentencePiece model stands in for PaliGemma's tokenizer (as in ``bench_policy.py``); the
   embedding keeps PaliGemma's 257 152 rows.
-- Scene: :class:`flashrt_gym.sims.WarpPush` (``--simulator mujoco_cpu``: the same scene on MuJoCo's
-  C library, a thread per core, as an external simulator) with three fixed cameras (``top``, ``opposite``,
+- Scene: :class:`flashrt_gym.sims.WarpPush` in the step's one graph (``--simulator
+  mujoco_warp_split_fast``: the split step around Warp's own graph, determinism off, as
+  ``bench_mujoco.py``'s row of that name; ``mujoco_cpu``: the same scene on MuJoCo's C library,
+  a thread per core, as an external simulator) with three fixed cameras (``top``, ``opposite``,
   ``centre``) rendered at 224x224, the end-effector as the first 2 of the policy's 32 state
   numbers (the rest zero), the first 2 of its 32 action numbers driving the end-effector.
 - At each ``--sizes`` and ``--precisions``: the first reset and step (the capture included), the
@@ -53,9 +55,15 @@ ROOT = Path(__file__).resolve().parents[1]
 TOKENIZER = ROOT / "tests" / "policies" / "fixtures" / "tokenizer.model"
 CAMERAS = ["top", "opposite", "centre"]
 SCENE = {"cameras": CAMERAS, "table": {"image_size": 224}}
-SIMULATORS = {  # the physics under the same scene: in the step graph, or MuJoCo's C library on every core
+SIMULATORS = {  # the physics under the same scene: in the step graph, split around Warp's own graph, or C
     "mujoco_warp": functools.partial(WarpPush, cfg=SCENE),
+    "mujoco_warp_split_fast": functools.partial(WarpPush, cfg=SCENE, capture="warp", deterministic=False),
     "mujoco_cpu": functools.partial(MujocoPush, cfg=SCENE, threads=os.cpu_count() or 1),
+}
+TRAIN_TASK = {  # train.py on the same simulator (Hydra overrides); the C library's row trains on the one graph
+    "mujoco_warp": ["task=mujoco_warp_push"],
+    "mujoco_warp_split_fast": ["task=mujoco_warp_push", "+task.capture=warp", "+task.deterministic=false"],
+    "mujoco_cpu": ["task=mujoco_warp_push"],
 }
 
 
@@ -89,17 +97,17 @@ def bench_env(weights: Path, n: int, precision: str, args: argparse.Namespace) -
     held = {key: mb - before[key] for key, mb in gpu_memory_mb().items()}
     row = {"num_envs": n, "precision": precision, "first_step_s_with_capture": first, "memory_after_capture_MB": held}
     row |= sustained(env, args.steps, args.warmup, None)
-    if args.simulator == "mujoco_warp":
+    if args.simulator.startswith("mujoco_warp"):
         row["flagged_worlds"] = env.engine.sim.overflow()
     del env
     return row
 
 
-def train_rate(weights: Path, n: int, precision: str, seconds: int, out: Path) -> dict:
+def train_rate(weights: Path, simulator: str, n: int, precision: str, seconds: int, out: Path) -> dict:
     """FastSAC (the main job) steering the policy for ``seconds``: its summary's rates."""
     run = out / f"fast_sac_{precision}_{n}"
     cmd = [
-        sys.executable, str(ROOT / "scripts" / "train.py"), "task=mujoco_warp_push", f"policy.weights={weights}",
+        sys.executable, str(ROOT / "scripts" / "train.py"), *TRAIN_TASK[simulator], f"policy.weights={weights}",
         f"policy.precision={precision}", f"task.cfg.cameras=[{','.join(CAMERAS)}]", "task.cfg.table.image_size=224",
         "env.repeat_over_horizon=true", f"env.num_envs={n}", f"time_limit_s={seconds}", "total_steps=1000000000",
         "eval.episodes=16", "eval.test_episodes=16", "eval.every=1000000000", "eval.test_at=[]", f"hydra.run.dir={run}",
@@ -134,7 +142,7 @@ def main() -> None:
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_pi0_env.py measures pi0 on the GPU: run it on a machine with a CUDA GPU")
-    if args.simulator == "mujoco_warp":
+    if args.simulator.startswith("mujoco_warp"):
         warp_api().wp.config.quiet = True
     result: dict = {
         **provenance(),
@@ -167,7 +175,7 @@ def main() -> None:
         if args.train_seconds:
             for precision in args.precisions:
                 for n in args.train_sizes:
-                    row = train_rate(weights, n, precision, args.train_seconds, args.out.parent)
+                    row = train_rate(weights, args.simulator, n, precision, args.train_seconds, args.out.parent)
                     print(json.dumps({k: v for k, v in row.items() if k != "command"}), flush=True)
                     result["train"].append(row)
                     save_json()
