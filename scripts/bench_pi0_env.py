@@ -61,9 +61,9 @@ SIMULATORS = {  # the physics under the same scene: in the step graph, split aro
     "mujoco_cpu": functools.partial(MujocoPush, cfg=SCENE, threads=os.cpu_count() or 1),
 }
 TRAIN_TASK = {  # train.py on the same simulator (Hydra overrides); the C library's row trains on the one graph
-    "mujoco_warp": ["task=mujoco_warp_push"],
-    "mujoco_warp_split_fast": ["task=mujoco_warp_push", "+task.capture=warp", "+task.deterministic=false"],
-    "mujoco_cpu": ["task=mujoco_warp_push"],
+    "mujoco_warp": ["task=mujoco_warp_push", "task.capture=torch", "task.deterministic=true"],
+    "mujoco_warp_split_fast": ["task=mujoco_warp_push"],  # the task's default
+    "mujoco_cpu": ["task=mujoco_warp_push", "task.capture=torch", "task.deterministic=true"],
 }
 
 
