@@ -25,7 +25,9 @@ Warp (``capture="torch"``, the default):
   body the env's guarded step is);
 - run-to-run determinism (``opt.deterministic``): without it, floating-point atomics make two
   runs of the same step differ in the last bits, and a restored capsule would not continue
-  byte for byte.
+  byte for byte. With MuJoCo Warp 4.0.0 it holds at few worlds only: its contact and constraint
+  sorts are placeholders, so with many worlds a world's contact order follows the atomics
+  (measured in docs/PERFORMANCE.md).
 
 ``capture="warp"`` instead runs the ticks' physics as Warp's own captured graph, with the
 solver's conditional loop (``opt.graph_conditional = True``: it stops when every world has
@@ -115,7 +117,8 @@ class WarpPush(BoundState):
             loop, between the env step's two captured parts; never inside a torch capture).
         iterations: constraint solver iterations at most per physics step (MuJoCo's default is
             100; a fixed count is recorded into the graph, so this bounds the graph's size).
-        deterministic: MuJoCo Warp's run-to-run determinism (needed for byte-exact restores).
+        deterministic: MuJoCo Warp's run-to-run determinism (needed for byte-exact restores; with
+            MuJoCo Warp 4.0.0 they are byte-exact at few worlds only, see the module).
         nconmax, njmax: MuJoCo Warp's contact and constraint capacities per world.
         loop: with ``capture="warp"``, the ticks and their physics steps as two nested while
             loops of Warp's graph around one recorded ``mjw.step`` (one copy of the step and its
