@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import gc
 import json
 import os
 import subprocess
@@ -79,6 +80,7 @@ def write_weights(folder: Path) -> Path:
 
 
 def bench_env(weights: Path, n: int, precision: str, args: argparse.Namespace) -> dict:
+    gc.collect()  # what earlier rows (or the weights' writer) left in cycles, before the baseline
     torch.cuda.empty_cache()
     before = gpu_memory_mb()
     t = time.perf_counter()
