@@ -33,7 +33,7 @@ depart after 1, 10 and 40 chunks. For the split rows also the physics share: War
 step's ticks replayed alone (``physics_ms``, beside ``physics_steps``, to set against
 ``mjwarp-testspeed``'s time for as many steps).
 
-Each measurement (an env row with its drift, the tick rows of a size, graph against eager, a
+Each measurement (an env row, its drift, the tick rows of a size, graph against eager, a
 ``mjwarp-testspeed`` run) runs in a process of its own, sharing Warp's kernel cache: its memory
 figures are its own, and one row that runs out of memory or breaks a capture cannot take the
 rows after it down (in one process, rows at 4 096 worlds ran out of what earlier rows held).
@@ -316,11 +316,9 @@ def measure(item: str, n: int, args: argparse.Namespace) -> dict:
     if item == "graph_vs_eager":
         return graph_vs_eager(n)
     if item.startswith("env:"):
-        kind = item.removeprefix("env:")
-        row = bench_env(kind, n, args)
-        if kind.startswith("mujoco_warp") and args.drift:
-            row["drift"] = drift(kind, n)
-        return row
+        return bench_env(item.removeprefix("env:"), n, args)
+    if item.startswith("drift:"):
+        return drift(item.removeprefix("drift:"), n)
     if item == "tick":
         return {
             "tick_torch_graph_ms": warp_tick(n, "torch", args.reps),
@@ -342,7 +340,7 @@ def isolated(item: str, n: int, args: argparse.Namespace, errors: list[str]) -> 
     compiles once. A failure is recorded (and counted in ``errors``) and the run goes on."""
     cmd = [sys.executable, __file__, "--one", item, "--sizes", str(n), "--steps", str(args.steps)]
     cmd += ["--warmup", str(args.warmup), "--cpu-budget-s", str(args.cpu_budget_s), "--reps", str(args.reps)]
-    cmd += ["--nstep", str(args.nstep)] + (["--drift"] if args.drift else [])
+    cmd += ["--nstep", str(args.nstep)]
     try:
         run = subprocess.run(cmd, capture_output=True, text=True, timeout=args.row_timeout_s)
     except subprocess.TimeoutExpired:
@@ -404,6 +402,8 @@ def main() -> None:
             row["mujoco_warp_graph_vs_eager"] = isolated("graph_vs_eager", n, args, errors)
         for kind in args.simulators:
             row[kind] = isolated(f"env:{kind}", n, args, errors)
+            if kind.startswith("mujoco_warp") and args.drift:
+                row[kind]["drift"] = isolated(f"drift:{kind}", n, args, errors)
             print(n, kind, json.dumps({k: v for k, v in row[kind].items() if k != "step_graph_kernels"}), flush=True)
             result["errors"] = errors
             save()
