@@ -428,6 +428,8 @@ class WarpPush(BoundState):
                 else:
                     with wp.ScopedAllocator(self.wp_device, kept):
                         self._launch(ticks)
+            if kept is not None:
+                kept.used_on(side)
             p["graph"], p["kept"] = cap.graph, kept
         side.wait_stream(current)
         wp.capture_launch(p["graph"], stream=on_side)

@@ -180,3 +180,9 @@ class KeptAllocator:
 
     def deallocate(self, ptr: int, size_in_bytes: int) -> None:
         """Nothing: the recorded graph reads and writes the block at every replay."""
+
+    def used_on(self, stream: torch.cuda.Stream) -> None:
+        """Mark every block as used by ``stream`` (where the graph replays): once the blocks are
+        dropped, torch's allocator hands none of them out before that stream's queued work is done."""
+        for block in self.blocks:
+            block.record_stream(stream)
