@@ -61,7 +61,7 @@ from tqdm import tqdm
 from flashrt.runtime import BufferSet, atomic_write
 from flashrt_gym import FlashRTVectorEnv
 from flashrt_gym.sims import SCENE, MujocoPush, PushConfig, WarpPush, load_scene
-from flashrt_gym.sims.push.mujoco_warp import ITERATIONS
+from flashrt_gym.sims.push.mujoco_warp import ITERATIONS, state_offsets
 from flashrt_gym.sims.push.warp_api import warp_api
 
 MJW_OPTIONS = [  # (row name, a fixed iteration bound, determinism): the simulator's two options apart
@@ -174,8 +174,12 @@ def drift(kind: str, n: int) -> dict:
     the capsule's continuation, and a fork of slot 0 into every slot under equal actions (slots
     against slot 0), after each of :data:`DRIFT_AT` chunks under the same noise actions (episodes
     end and restart inside them): the largest difference of the physics rows relative to
-    ``1 + |row|``, and whether the episode flags agree."""
+    ``1 + |row|`` (the solver's warm start included, where it is largest), the largest
+    difference of the worlds' positions (``qpos``, table units: what the agent sees parting),
+    the share of worlds whose rows differ at all, and whether the episode flags agree."""
     env = make_env(kind, n)
+    start = state_offsets(env.engine.sim.mjm)["qpos"]
+    qpos = slice(start, start + env.engine.sim.mjm.nq)
     env.reset(seed=9)
     for a in actions(n, 2, 3):
         env.step_torch(a)
@@ -198,16 +202,21 @@ def drift(kind: str, n: int) -> dict:
     forked = rows_at()
     torch.cuda.synchronize()
 
-    def rel(x: torch.Tensor, y: torch.Tensor) -> float:
-        return float(((x - y).abs() / (1 + y.abs())).max())
+    def parted(x: torch.Tensor, y: torch.Tensor, same_flags: bool) -> dict:
+        return {
+            "max_rel_dev": float(((x - y).abs() / (1 + y.abs())).max()),
+            "max_qpos_dev": float((x[:, qpos] - y[:, qpos]).abs().max()),
+            "worlds_differing": float((x != y).any(1).float().mean()),
+            "flags_equal": same_flags,
+        }
 
     return {
         "restore": {
-            str(c): {"max_rel_dev": rel(a[0], b[0]), "flags_equal": bool(torch.equal(a[1], b[1]))}
+            str(c): parted(a[0], b[0], bool(torch.equal(a[1], b[1])))
             for c, a, b in zip(DRIFT_AT, again, first, strict=True)
         },
         "fork_equal_actions": {
-            str(c): {"max_rel_dev": rel(f[0], f[0][:1].expand_as(f[0])), "flags_equal": bool((f[1] == f[1][0]).all())}
+            str(c): parted(f[0], f[0][:1].expand_as(f[0]), bool((f[1] == f[1][0]).all()))
             for c, f in zip(DRIFT_AT, forked, strict=True)
         },
     }
@@ -245,7 +254,7 @@ def bench_env(kind: str, n: int, args: argparse.Namespace) -> dict:
         if sim.capture == "warp":  # the physics share: Warp's graph of the step's ticks alone
             row["physics_ms"] = wall_ms(functools.partial(sim.physics, ticks), args.reps)
             row["physics_steps"] = ticks * sim.cfg.frame_skip
-        row["step_graph_kernels"] = graph_kernels(env.engine.replay)
+        row["step_graph_kernels"] = graph_kernels(env.engine.replay, top=30)
         row["flagged_worlds"] = env.engine.sim.overflow()
     del env
     return row
