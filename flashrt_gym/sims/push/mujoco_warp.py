@@ -27,7 +27,9 @@ Warp (``capture="torch"``, the default):
   runs of the same step differ in the last bits, and a restored capsule would not continue
   byte for byte. With MuJoCo Warp 4.0.0 it holds at few worlds only: its contact and constraint
   sorts are placeholders, so with many worlds a world's contact order follows the atomics
-  (measured in docs/PERFORMANCE.md).
+  (measured in docs/PERFORMANCE.md). Its records of the atomics (Warp's deterministic mode sorts
+  them after each launch) are most of the memory Warp holds, and a launch may keep at most
+  :data:`DETERMINISTIC_RECORDS` of them, which bounds the world count.
 
 ``capture="warp"`` instead runs the ticks' physics as Warp's own captured graph, with the
 solver's conditional loop (``opt.graph_conditional = True``: it stops when every world has
@@ -69,6 +71,10 @@ from flashrt_gym.sims.push.warp_api import KeptAllocator, TorchAllocator, warp_a
 from flashrt_gym.simulator import BoundState
 
 STATE_SIG = int(mujoco.mjtState.mjSTATE_INTEGRATION)
+DETERMINISTIC_RECORDS = 2**31 - 1
+"""The most records of atomics one launch may keep in Warp's deterministic mode (Warp 1.19's
+``DETERMINISTIC_SCATTER_MAX_CAPACITY``: int32 offsets): a launch over ``d`` threads that may
+each update ``r`` targets needs ``d * r``, so the deterministic mode has a world-count limit."""
 ITERATIONS = 10
 """Default bound of the constraint solver's iterations per physics step (MuJoCo's C library,
 unbounded at 100, needs at most 11 and 1.1 on average on this task's expert episodes)."""
@@ -319,7 +325,26 @@ class WarpPush(BoundState):
 
     def _launch(self, ticks: int) -> None:
         """Every tick's Warp work (control, load, steps, store, rewards), on Warp's current stream:
-        unrolled, or with ``loop`` as two nested while loops around one tick and one physics step."""
+        unrolled, or with ``loop`` as two nested while loops around one tick and one physics step.
+
+        Raises:
+            RuntimeError: with ``deterministic``, a MuJoCo Warp launch needs more records of its
+                atomics than Warp's deterministic mode can hold (too many worlds); names the fix.
+        """
+        try:
+            self._launch_ticks(ticks)
+        except warp_api().wp.WarpDeterminismError as e:
+            raise RuntimeError(
+                f"WarpPush of {self.num_slots} worlds, deterministic={self.deterministic}: MuJoCo Warp's "
+                "deterministic mode keeps a record of every floating-point atomic of a launch, sorted after it, "
+                f"and Warp holds at most {DETERMINISTIC_RECORDS} records a launch; a launch at this many worlds "
+                f"needs more ({e}). Use fewer worlds a simulator, or deterministic=False (Hydra: "
+                "task.deterministic=false), which keeps no records (with MuJoCo Warp 4.0.0 it is no less exact at "
+                "many worlds: see WarpPush's module docstring)"
+            ) from e
+
+    def _launch_ticks(self, ticks: int) -> None:
+        """:meth:`_launch`'s body."""
         k, p = warp_api(), self._programs[ticks]
         v, table, n = p["views"], self.cfg.table, self.num_slots
         ring = table.ee_radius + table.obj_radius

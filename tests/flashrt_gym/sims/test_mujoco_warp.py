@@ -157,6 +157,31 @@ def test_each_tick_from_the_cpu_backends_state_follows_it(device):
 
 
 @pytest.mark.parametrize("device", [WARP_CPU, CUDA])
+def test_a_launch_over_warps_deterministic_record_limit_names_worlds_and_fix(device, monkeypatch):
+    """Warp's deterministic mode holds at most 2**31 - 1 records of atomics a launch; at 16 384
+    worlds a MuJoCo Warp launch needs more. That refusal reaches the caller naming the worlds,
+    the limit and ``deterministic=False``. Mutation: any other error passes through as it was."""
+    wp = pytest.importorskip("warp")
+    sim, _, _ = paired(device)
+    chunk = noise(N, 1, device)[0].view(N, 8, 2)[:, :1]
+    dense, sparse = torch.zeros(N, device=device), torch.zeros(N, device=device)
+
+    def refuse(ticks: int) -> None:
+        raise wp.WarpDeterminismError("this launch needs 8589934592 atomic-update slots")
+
+    monkeypatch.setattr(sim, "_launch_ticks", refuse)
+    with pytest.raises(RuntimeError, match=rf"{N} worlds, deterministic=True.*2147483647.*deterministic=False"):
+        sim.run_ticks(chunk, dense, sparse)
+
+    def other(ticks: int) -> None:
+        raise ValueError("something else")
+
+    monkeypatch.setattr(sim, "_launch_ticks", other)
+    with pytest.raises(ValueError, match="^something else$"):
+        sim.run_ticks(chunk, dense, sparse)
+
+
+@pytest.mark.parametrize("device", [WARP_CPU, CUDA])
 def test_solver_bound_is_flagged_without_a_kernel_print(device, capfd):
     """At a bound of one solver iteration, worlds in contact stop at it: ``overflow()`` counts
     them and no kernel prints MuJoCo Warp's warning. Mutation: with the warning bits set again,
