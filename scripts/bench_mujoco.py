@@ -26,7 +26,8 @@ Physics tick alone, at each size: ``WarpPush.run_ticks`` of one tick (control, l
 from Warp's own graph (``capture="warp"``); MuJoCo Warp's ``step`` x ``frame_skip`` in a Warp
 graph with MuJoCo Warp's default options (the solver's conditional loop, no determinism), with
 this simulator's (a fixed iteration bound, determinism) and with each of those two alone
-(``MJW_OPTIONS``); with ``--testspeed``,
+(``MJW_OPTIONS``), and at the defaults from the env's own states (:func:`env_states`: the end-effector
+among the objects, where ``mjwarp-testspeed`` steps the scene at rest); with ``--testspeed``,
 ``mjwarp-testspeed`` (MuJoCo Warp's own benchmark) on the scene. With ``--drift``, each MuJoCo
 Warp mode's exactness (:func:`drift`): how far a restored run and a fork under equal actions
 depart after 1, 10 and 40 chunks. For the split rows also the physics share: Warp's graph of the
@@ -61,7 +62,7 @@ from tqdm import tqdm
 from flashrt.runtime import BufferSet, atomic_write
 from flashrt_gym import FlashRTVectorEnv
 from flashrt_gym.sims import SCENE, MujocoPush, PushConfig, WarpPush, load_scene
-from flashrt_gym.sims.push.mujoco_warp import ITERATIONS, state_offsets
+from flashrt_gym.sims.push.mujoco_warp import ITERATIONS, STATE_SIG, state_offsets
 from flashrt_gym.sims.push.warp_api import warp_api
 
 MJW_OPTIONS = [  # (row name, a fixed iteration bound, determinism): the simulator's two options apart
@@ -283,11 +284,30 @@ def warp_tick(n: int, capture: str, reps: int) -> float:
     return wall_ms(graph.replay, reps)
 
 
-def mjw_steps(n: int, frame_skip: int, fixed_iterations: bool, deterministic: bool, reps: int) -> float:
+def env_states(n: int, chunks: int = 3, device: str = "cuda") -> torch.Tensor:
+    """(n, nstate) float32 physics rows of ``n`` worlds from seeded starts after ``chunks`` chunks
+    of 4 ticks under noise actions: states as the env meets them (the end-effector among the
+    objects, some pushed), where the scene's initial state (what ``mjwarp-testspeed`` steps) has
+    every object at rest and the end-effector clear of them."""
+    sim = WarpPush(n)
+    sim.bind(BufferSet(sim.specs(), n, device))
+    sim.seed(torch.arange(n, device=device))
+    sim.reset()
+    dense, sparse = torch.zeros(n, device=device), torch.zeros(n, device=device)
+    g = torch.Generator(device=device).manual_seed(5)
+    for _ in range(chunks):
+        sim.run_ticks(torch.rand(n, 4, 2, device=device, generator=g) * 2 - 1, dense, sparse)
+    return sim.state.physics.clone()
+
+
+def mjw_steps(
+    n: int, frame_skip: int, fixed_iterations: bool, deterministic: bool, reps: int, start: torch.Tensor | None = None
+) -> float:
     """Median ms of MuJoCo Warp's own ``step`` x ``frame_skip`` in a Warp graph, from the scene's
-    initial state, under MuJoCo Warp's default options but for the two this simulator sets:
-    ``fixed_iterations`` (at most ``ITERATIONS`` solver iterations, run as a fixed loop instead of
-    the solver's conditional node) and ``deterministic`` (every determinism feature)."""
+    initial state (or the rows ``start``, :func:`env_states`), under MuJoCo Warp's default options
+    but for the two this simulator sets: ``fixed_iterations`` (at most ``ITERATIONS`` solver
+    iterations, run as a fixed loop instead of the solver's conditional node) and
+    ``deterministic`` (every determinism feature)."""
     k = warp_api()
     mjm, _ = load_scene(PushConfig())
     if fixed_iterations:
@@ -298,6 +318,8 @@ def mjw_steps(n: int, frame_skip: int, fixed_iterations: bool, deterministic: bo
     if deterministic:
         m.opt.deterministic = int(k.mjw.DeterminismType.ALL)
     d = k.mjw.make_data(mjm, nworld=n, nconmax=32, njmax=160)
+    if start is not None:
+        k.mjw.set_state(m, d, k.wp.from_torch(start), STATE_SIG)
     for _ in range(frame_skip):  # load the modules
         k.mjw.step(m, d)
     with k.wp.ScopedCapture() as cap:
@@ -336,6 +358,10 @@ def measure(item: str, n: int, args: argparse.Namespace) -> dict:
                 f"mjw_step_x{frame_skip}_{name}_ms": mjw_steps(n, frame_skip, fixed, det, args.reps)
                 for name, fixed, det in MJW_OPTIONS
             },
+            # MuJoCo Warp's defaults from the env's own states: the physics share's denominator
+            f"mjw_step_x{frame_skip}_defaults_env_states_ms": mjw_steps(
+                n, frame_skip, False, False, args.reps, env_states(n)
+            ),
         }
     if item == "testspeed":
         return testspeed(n, args.nstep)
