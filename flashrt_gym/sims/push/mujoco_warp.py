@@ -46,6 +46,7 @@ same byte copies.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -447,12 +448,9 @@ class WarpPush(BoundState):
                 t.copy_(s)
             # looped: the body's allocations are kept with the program (no memory nodes in a while body)
             kept = KeptAllocator(self.device) if self.loop else None
-            with wp.ScopedStream(on_side, sync_enter=False), wp.ScopedCapture(stream=on_side) as cap:
-                if kept is None:
-                    self._launch(ticks)
-                else:
-                    with wp.ScopedAllocator(self.wp_device, kept):
-                        self._launch(ticks)
+            scratch = contextlib.nullcontext() if kept is None else wp.ScopedAllocator(self.wp_device, kept)
+            with wp.ScopedStream(on_side, sync_enter=False), wp.ScopedCapture(stream=on_side) as cap, scratch:
+                self._launch(ticks)
             if kept is not None:
                 kept.used_on(side)
             p["graph"], p["kept"] = cap.graph, kept
