@@ -448,11 +448,13 @@ class WarpPush(BoundState):
                 t.copy_(s)
             # looped: the body's allocations are kept with the program (no memory nodes in a while body)
             kept = KeptAllocator(self.device) if self.loop else None
-            scratch = contextlib.nullcontext() if kept is None else wp.ScopedAllocator(self.wp_device, kept)
-            with wp.ScopedStream(on_side, sync_enter=False), wp.ScopedCapture(stream=on_side) as cap, scratch:
+            with contextlib.ExitStack() as scope:
+                scope.enter_context(wp.ScopedStream(on_side, sync_enter=False))
+                cap = scope.enter_context(wp.ScopedCapture(stream=on_side))
+                if kept is not None:
+                    scope.enter_context(kept.serving(side))
+                    scope.enter_context(wp.ScopedAllocator(self.wp_device, kept))
                 self._launch(ticks)
-            if kept is not None:
-                kept.used_on(side)
             p["graph"], p["kept"] = cap.graph, kept
         side.wait_stream(current)
         wp.capture_launch(p["graph"], stream=on_side)

@@ -6,7 +6,9 @@ lifetime)."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
 
@@ -165,13 +167,35 @@ class KeptAllocator:
     allocations cannot be memory nodes (CUDA refuses them there), so they are plain device memory
     that the graph's owner holds: one recorded step's scratch, reused by every iteration.
 
+    On CUDA the blocks come from a memory pool of this allocator's own, on the stream that Warp
+    records (and later replays) on: see :meth:`serving`.
+
     Args:
-        device: the torch CUDA device.
+        device: the torch device.
     """
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.blocks: list[torch.Tensor] = []
+        self.pool = torch.cuda.MemPool() if device.type == "cuda" else None
+
+    @contextlib.contextmanager
+    def serving(self, stream: torch.cuda.Stream | None) -> Iterator[None]:
+        """While Warp records a capture on ``stream``: make it torch's current stream and route
+        torch's allocations to this allocator's pool. Torch's allocator then sees the capture, so
+        it takes new device memory in CUDA's relaxed capture mode (a plain ``cudaMalloc`` while
+        this thread captures fails with "operation not permitted when stream is capturing": the
+        looped graph at 256 worlds and more) and skips its event queries, also illegal there.
+        The blocks belong to ``stream``, where the graph replays. Nothing to do on the CPU.
+
+        Args:
+            stream: the torch stream Warp's capture records on (None on the CPU).
+        """
+        if self.pool is None or stream is None:
+            yield
+            return
+        with torch.cuda.stream(stream), torch.cuda.use_mem_pool(self.pool, self.device):
+            yield
 
     def allocate(self, size_in_bytes: int) -> int:
         block = torch.empty(max(size_in_bytes, 1), dtype=torch.uint8, device=self.device)
@@ -180,9 +204,3 @@ class KeptAllocator:
 
     def deallocate(self, ptr: int, size_in_bytes: int) -> None:
         """Nothing: the recorded graph reads and writes the block at every replay."""
-
-    def used_on(self, stream: torch.cuda.Stream) -> None:
-        """Mark every block as used by ``stream`` (where the graph replays): once the blocks are
-        dropped, torch's allocator hands none of them out before that stream's queued work is done."""
-        for block in self.blocks:
-            block.record_stream(stream)

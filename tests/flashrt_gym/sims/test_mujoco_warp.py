@@ -289,13 +289,17 @@ def test_the_looped_physics_equals_the_unrolled_one(device, micro):
     around one recorded step (on CUDA, conditional nodes nested around the solver's own) give the
     unrolled graph's bytes through autoresets (one world on CUDA). Mutation: a loop of one physics
     step fewer a tick (another ``frame_skip``) departs. ``loop`` without ``capture="warp"`` is
-    refused."""
+    refused. On CUDA the looped graph's scratch takes new device memory during Warp's capture (a
+    fresh pool, and torch's cache emptied first): a plain ``cudaMalloc`` there broke the capture at
+    256 worlds, where torch's cache had no block to spare."""
     n = 1 if device == "cuda" else N
     acts = noise(n, 6, device, seed=6)
 
     def trajectory(cfg: PushConfig | None = None, **kw) -> list[torch.Tensor]:
         env = warp_env(device, micro, n=n, capture="warp", max_episode_steps=3, cfg=cfg, **kw)
         env.reset(seed=8)
+        if device == "cuda":
+            torch.cuda.empty_cache()
         return run(env, acts)
 
     unrolled = trajectory()
@@ -370,34 +374,39 @@ def test_graph_matches_eager_step_by_step_over_several_worlds():
     so do the eager step with the physics replayed from Warp's own graph (``capture="warp"``), the
     captured step split around it, and that step with MuJoCo Warp's determinism off (what the
     Hydra task runs: its floating-point atomics may order sums otherwise, within the same bound).
-    Each step restores every env from the eager env's capsule
-    first, so that run-to-run differences cannot accumulate (:data:`LOCKSTEP_TOL`); this is what
-    the one-world test cannot see: a slot's rows mixed with another's. Flags and integer outputs
-    must be equal, floats within the bound. Mutation: the same comparison with the captured
-    step's slots shifted by one (each slot's outputs set against its neighbour's) fails."""
+    Each step restores every env from the capsule of the eager env of its determinism first, so
+    that run-to-run differences cannot accumulate (:data:`LOCKSTEP_TOL`); this is what the one-world
+    test cannot see: a slot's rows mixed with another's. (Determinism is part of the simulator's
+    identity, so a deterministic env's capsule is refused by the fast one, and the fast step has an
+    eager reference of its own.) Flags and integer outputs must be equal, floats within the bound.
+    Mutation: the same comparison with the captured step's slots shifted by one (each slot's outputs
+    set against its neighbour's) fails."""
     kw = {"max_episode_steps": 3}
-    eager = warp_env("cuda", None, graphs=False, **kw)
+    eager = {True: warp_env("cuda", None, graphs=False, **kw)}
+    eager[False] = warp_env("cuda", None, graphs=False, deterministic=False, **kw)
     others = {
         "graph": warp_env("cuda", None, **kw),
         "warp": warp_env("cuda", None, graphs=False, capture="warp", **kw),
         "split": warp_env("cuda", None, capture="warp", **kw),
         "split_fast": warp_env("cuda", None, capture="warp", deterministic=False, **kw),
     }
-    start = state_offsets(eager.engine.sim.mjm)["qpos"]
-    qpos = slice(start, start + eager.engine.sim.mjm.nq)
-    for env in (eager, *others.values()):
+    with pytest.raises(runtime.DeploymentMismatchError):
+        others["split_fast"].restore(eager[True].snapshot())
+    start = state_offsets(eager[True].engine.sim.mjm)["qpos"]
+    qpos = slice(start, start + eager[True].engine.sim.mjm.nq)
+    for env in (*eager.values(), *others.values()):
         env.reset(seed=1)
     worst, shifted, autoresets = dict.fromkeys(others, 0.0), 0.0, 0
     for a in noise(N, 7, "cuda", seed=2):
-        capsule = eager.snapshot()
+        capsules = {det: env.snapshot() for det, env in eager.items()}
         for env in others.values():
-            env.restore(capsule)
+            env.restore(capsules[env.engine.sim.deterministic])
         got = {name: seen(run(env, [a]), qpos) for name, env in others.items()}
-        want = seen(run(eager, [a]), qpos)
-        autoresets += int(want[5].sum())
+        want = {det: seen(run(env, [a]), qpos) for det, env in eager.items()}
+        autoresets += int(want[True][5].sum())
         for name, out in got.items():
-            worst[name] = max(worst[name], deviation(out, want))
-        shifted = max(shifted, deviation([x.roll(1, 0) for x in got["graph"]], want))
+            worst[name] = max(worst[name], deviation(out, want[others[name].engine.sim.deterministic]))
+        shifted = max(shifted, deviation([x.roll(1, 0) for x in got["graph"]], want[True]))
     assert autoresets  # episodes ended inside the steps compared
     assert max(worst.values()) <= LOCKSTEP_TOL, worst
     assert shifted > LOCKSTEP_TOL, shifted
