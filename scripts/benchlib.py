@@ -78,23 +78,40 @@ def graph_kernels(replay: Callable[[], object], top: int = 10) -> dict:
     """Where one replay of a captured graph spends its time. Kernels launched dependent start
     before the kernel ahead of them ends, so their durations add up to more than the replay;
     each is charged its marginal time instead, its end minus the latest end before it (the
-    marginal times add up to the replay's span). Kernels by name, largest marginal total first."""
-    events = sorted(_gpu_events(replay), key=lambda e: e.time_range.start)
+    marginal times add up to the replay's span). Kernels by name, largest marginal total first;
+    beside them the GPU's idle time (no kernel running) summed by the pair of kernels around it,
+    largest first, to tell a slow kernel from a wait before it."""
+    return replay_time(_gpu_events(replay), top)
+
+
+def replay_time(events: list, top: int = 10) -> dict:
+    """:func:`graph_kernels` over profiler events (``name``, ``time_range.start`` / ``.end`` /
+    ``.elapsed_us()``, in µs), given in any order."""
+    events = sorted(events, key=lambda e: e.time_range.start)
     agg: dict[str, list[float]] = {}
-    last_end = events[0].time_range.start
+    idle: dict[tuple[str, str], list[float]] = {}
+    last_end, last_name = events[0].time_range.start, ""
     for e in events:
-        row = agg.setdefault(e.name[:80], [0.0, 0.0, 0])
+        name = e.name[:80]
+        row = agg.setdefault(name, [0.0, 0.0, 0])
         row[0] += max(0.0, e.time_range.end - last_end)
         row[1] += e.time_range.elapsed_us()
         row[2] += 1
-        last_end = max(last_end, e.time_range.end)
+        if e.time_range.start > last_end:
+            gap = idle.setdefault((last_name, name), [0.0, 0])
+            gap[0] += e.time_range.start - last_end
+            gap[1] += 1
+        if e.time_range.end > last_end:
+            last_end, last_name = e.time_range.end, name
     rows = sorted(agg.items(), key=lambda kv: -kv[1][0])[:top]
+    gaps = sorted(idle.items(), key=lambda kv: -kv[1][0])[:top]
     return {
         "span_us": round(last_end - events[0].time_range.start, 1),
         "kernels": len(events),
         "top": [
             {"kernel": k, "marginal_us": round(v[0], 1), "busy_us": round(v[1], 1), "calls": int(v[2])} for k, v in rows
         ],
+        "idle": [{"after": a, "before": b, "idle_us": round(v[0], 1), "times": int(v[1])} for (a, b), v in gaps],
     }
 
 
