@@ -42,9 +42,17 @@ def mujoco_push(num_envs: int, cfg: Any = None, threads: int = 1) -> Any:
     return __getattr__("MujocoPush")(num_envs, cfg, threads)
 
 
-def warp_push(num_envs: int, cfg: Any = None, **options: Any) -> Any:
-    """``FlashRT-MuJoCoWarpPush``'s simulator: :class:`WarpPush` of ``num_envs`` worlds."""
-    return __getattr__("WarpPush")(num_envs, cfg, **options)
+def warp_push(
+    num_envs: int, cfg: Any = None, capture: str = "warp", deterministic: bool = False, **options: Any
+) -> Any:
+    """``FlashRT-MuJoCoWarpPush``'s simulator (and the Hydra task ``mujoco_warp_push``'s):
+    :class:`WarpPush` of ``num_envs`` worlds, by default the step split around MuJoCo Warp's own
+    graph with its determinism off: several times the deterministic one-graph step's rate, with
+    a small fraction of its Warp memory, and with many worlds no mode repeats a run bit for bit
+    anyway (measured in ``docs/PERFORMANCE.md``). ``capture="torch",
+    deterministic=True`` (:class:`WarpPush`'s own default) is the one-graph step, byte-exact at
+    one world. ``options``: :class:`WarpPush`'s other arguments."""
+    return __getattr__("WarpPush")(num_envs, cfg, capture=capture, deterministic=deterministic, **options)
 
 
 def metaworld(

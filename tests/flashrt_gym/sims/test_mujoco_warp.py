@@ -9,6 +9,7 @@ kernels first)."""
 import functools
 import math
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,7 +19,7 @@ pytest.importorskip("mujoco_warp")
 
 from flashrt import runtime
 from flashrt_gym import FlashRTVectorEnv
-from flashrt_gym.sims import MujocoPush, PushConfig, WarpPush
+from flashrt_gym.sims import MujocoPush, PushConfig, WarpPush, warp_push
 from flashrt_gym.sims.push.mujoco_warp import state_offsets
 from flashrt_gym.sims.push.warp_api import warp_api
 from flashrt_gym.simulator import Simulator, is_external
@@ -60,6 +61,20 @@ def run(env: FlashRTVectorEnv, acts: list[torch.Tensor]) -> list[torch.Tensor]:
 
 def equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
     return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def test_the_registered_id_and_the_hydra_task_take_the_fast_split_step():
+    """``FlashRT-MuJoCoWarpPush``'s factory and the Hydra task ``mujoco_warp_push`` run the step
+    split around Warp's own graph with determinism off; :class:`WarpPush`'s own default stays the
+    exact one-graph step, and the factory passes either choice through (a simulator of another
+    identity, so capsules of the two never pass for each other). Needs MuJoCo, not Warp."""
+    from omegaconf import OmegaConf
+
+    task = OmegaConf.load(Path(__file__).resolve().parents[3] / "configs" / "task" / "mujoco_warp_push.yaml")
+    fast, exact = warp_push(2), warp_push(2, capture="torch", deterministic=True)
+    assert (fast.capture, fast.deterministic) == ("warp", False) == (task.capture, task.deterministic)
+    assert (exact.capture, exact.deterministic) == ("torch", True) == (WarpPush(2).capture, WarpPush(2).deterministic)
+    assert fast.identity() != exact.identity()
 
 
 @pytest.mark.parametrize("device", [WARP_CPU, CUDA])
