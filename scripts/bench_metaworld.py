@@ -9,10 +9,11 @@ Rows, at each ``--sizes`` (default 1 and 64 slots; slot i runs MT10 task i % 10)
   does. Sustained chunks/s over the run's wall time, p50 / p99 / max ms a chunk.
 - ``render``: the camera's frames/s (``render()`` of every slot, one thread), at 64 px.
 - ``env``: ``FlashRTVectorEnv`` through the public ``step()`` with noise actions uniform in the
-  box (``max_episode_steps`` 40, so slots autoreset at their natural times), eager on the CPU.
-  The policy is a random ``tiny`` of Meta-World's shapes (4-D actions and proprioception, the
-  instructions' words): the shipped ``tiny`` policy's compute, since no Meta-World policy of
-  this project exists yet.
+  box (``max_episode_steps`` 40, so slots autoreset at their natural times), on ``--device``:
+  eager on the CPU, or the policy's captured graphs on a GPU with the physics on the CPU threads
+  (the GPU machine's setting). The policy is ``--weights`` (a Meta-World policy: 4-D actions and
+  proprioception), by default a random ``tiny`` of Meta-World's shapes (the instructions' words):
+  the same compute.
 
 With ``--frames PATH``, a PNG of the camera's first frame of each MT10 task (the policy's
 resolution, each pixel drawn 3x3) is written there too.
@@ -109,7 +110,7 @@ def bench_render(n: int, args: argparse.Namespace) -> dict:
 def bench_env(n: int, threads: int, weights: str, args: argparse.Namespace) -> dict:
     t = time.perf_counter()
     simulator = functools.partial(MetaWorld, tasks="MT10", threads=threads)
-    env = FlashRTVectorEnv(n, simulator=simulator, weights=weights, device="cpu", max_episode_steps=40)
+    env = FlashRTVectorEnv(n, simulator=simulator, weights=weights, device=args.device, max_episode_steps=40)
     env.reset(seed=0)
     built = time.perf_counter() - t
     rng = np.random.default_rng(0)
@@ -161,7 +162,11 @@ def main() -> None:
     ap.add_argument("--rows", nargs="+", default=["sim", "render", "env"], choices=["sim", "render", "env"])
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")) / "bench_metaworld.json")
     ap.add_argument("--frames", type=Path, default=None, help="write the MT10 tasks' first frames here (PNG)")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the env's policy runs")
+    ap.add_argument("--weights", default=None, help="a Meta-World policy's folder (default: a random tiny)")
     args = ap.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA GPU here; run the env rows on the CPU (--device cpu)")
     if args.frames is not None:
         save_frames(args.frames, 64)
     result: dict = {
@@ -173,6 +178,7 @@ def main() -> None:
             "python": platform.python_version(),
             "commit": commit(),
             "mujoco_gl": os.environ.get("MUJOCO_GL"),
+            "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
         },
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "rows": [],
@@ -187,7 +193,7 @@ def main() -> None:
         atomic_write(args.out, lambda f: f.write((json.dumps(result, indent=1) + "\n").encode()))
 
     with tempfile.TemporaryDirectory() as folder:
-        weights = metaworld_tiny(folder) if "env" in args.rows else ""
+        weights = args.weights or (metaworld_tiny(folder) if "env" in args.rows else "")
         for n in args.sizes:
             if "render" in args.rows:
                 record("render", n, 1, bench_render, n, args)

@@ -1,0 +1,32 @@
+"""scripts/bench_metaworld.py end to end on the CPU (one slot, a few chunks): the simulator and
+env rows are written with their rates, and asking for a GPU where there is none is refused by name."""
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = str(ROOT / "scripts" / "bench_metaworld.py")
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("metaworld") is None, reason="needs Meta-World")
+
+
+def test_the_sim_and_env_rows_are_written(tmp_path):
+    out = tmp_path / "bench.json"
+    args = ["--sizes", "1", "--threads", "1", "--rows", "sim", "env", "--steps", "2", "--budget-s", "30"]
+    done = subprocess.run([sys.executable, SCRIPT, *args, "--out", str(out)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["row"], r["slots"], r["threads"]) for r in rows] == [("sim", 1, 1), ("env", 1, 1)]
+    assert all(r["steps"] == 2 and r["sustained_chunks_per_s"] > 0 for r in rows)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here")
+def test_asking_for_a_gpu_without_one_is_refused(tmp_path):
+    done = subprocess.run([sys.executable, SCRIPT, "--device", "cuda", "--out", str(tmp_path / "x.json")],
+                          capture_output=True, text=True)  # fmt: skip
+    assert done.returncode != 0 and "no CUDA GPU here" in done.stderr
