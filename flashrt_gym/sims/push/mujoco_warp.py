@@ -351,8 +351,9 @@ class WarpPush(BoundState):
         ring = table.ee_radius + table.obj_radius
         common = (v["rows"], self._ee, v["obj"], v["goal"], ring)
         k.wp.launch(k.measure, dim=n, inputs=[*common, v["dist"]])
+        scored = [*common, table.goal_radius, v["dist"], v["alive"], v["tick"], v["dense"], v["sparse"]]
         if self.loop:
-            self._launch_looped(ticks, common)
+            self._launch_looped(ticks, scored)
             return
         for t in range(ticks):
             k.wp.launch(k.write_ctrl, dim=n, inputs=[v["rows"], v["actions"], v["alive"], t, self._ctrl, self._speed])
@@ -360,17 +361,16 @@ class WarpPush(BoundState):
             for _ in range(self.cfg.frame_skip):
                 k.mjw.step(self.m, self.d)
             k.mjw.get_state(self.m, self.d, v["rows"], STATE_SIG, active=v["alive"])
-            inputs = [*common, table.goal_radius, v["dist"], v["alive"], v["tick"], v["dense"], v["sparse"]]
-            k.wp.launch(k.score, dim=n, inputs=inputs)
+            k.wp.launch(k.score, dim=n, inputs=scored)
 
-    def _launch_looped(self, ticks: int, common: tuple) -> None:
+    def _launch_looped(self, ticks: int, scored: list) -> None:
         """The ticks as a while loop over one tick, whose physics is a while loop over one
         ``mjw.step``: in a captured graph, one recorded copy of the step (and of its scratch)
-        instead of ``ticks * frame_skip``. The counters live on the device."""
+        instead of ``ticks * frame_skip``. The counters live on the device. ``scored``: the
+        ``score`` kernel's inputs."""
         k, p = warp_api(), self._programs[ticks]
         wp, v, n = k.wp, p["views"], self.num_slots
         ticks_left, steps_left = p["ticks_left"], p["steps_left"]
-        goal_radius = self.cfg.table.goal_radius
 
         def one_step() -> None:
             k.mjw.step(self.m, self.d)
@@ -383,8 +383,7 @@ class WarpPush(BoundState):
             wp.launch(k.set_count, dim=1, inputs=[steps_left, self.cfg.frame_skip])
             wp.capture_while(steps_left, one_step)
             k.mjw.get_state(self.m, self.d, v["rows"], STATE_SIG, active=v["alive"])
-            inputs = [*common, goal_radius, v["dist"], v["alive"], v["tick"], v["dense"], v["sparse"]]
-            wp.launch(k.score, dim=n, inputs=inputs)
+            wp.launch(k.score, dim=n, inputs=scored)
             wp.launch(k.count_down, dim=1, inputs=[ticks_left])
 
         wp.launch(k.set_count, dim=1, inputs=[ticks_left, ticks])
