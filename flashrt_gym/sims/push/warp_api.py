@@ -160,6 +160,24 @@ class TorchAllocator:
             self.fallback.deallocate(ptr, size_in_bytes)
 
 
+@functools.cache
+def kept_pool(index: int) -> torch.cuda.MemPool:
+    """The process's one memory pool for :class:`KeptAllocator`'s blocks on CUDA device ``index``,
+    made on first use and never dropped. Dropping a pool empties its cache, which torch refuses
+    while any CUDA graph is being captured (it aborts the process); an env is dropped by the
+    garbage collector, which may run at any allocation, inside another env's capture. A dropped
+    graph's blocks go back to this pool, where the next looped graph's capture finds them.
+
+    Args:
+        index: the CUDA device's index.
+
+    Returns:
+        The pool.
+    """
+    with torch.cuda.device(index):
+        return torch.cuda.MemPool()
+
+
 class KeptAllocator:
     """A Warp allocator whose blocks come from torch's caching allocator and stay allocated until
     the allocator is dropped. A MuJoCo Warp step allocates its solver's and broad phase's scratch
@@ -167,8 +185,8 @@ class KeptAllocator:
     allocations cannot be memory nodes (CUDA refuses them there), so they are plain device memory
     that the graph's owner holds: one recorded step's scratch, reused by every iteration.
 
-    On CUDA the blocks come from a memory pool of this allocator's own, on the stream that Warp
-    records (and later replays) on: see :meth:`serving`.
+    On CUDA the blocks come from the process's pool for kept blocks (:func:`kept_pool`), on the
+    stream that Warp records (and later replays) on: see :meth:`serving`.
 
     Args:
         device: the torch device.
@@ -177,12 +195,14 @@ class KeptAllocator:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.blocks: list[torch.Tensor] = []
-        self.pool = torch.cuda.MemPool() if device.type == "cuda" else None
+        self.pool: torch.cuda.MemPool | None = None
+        if device.type == "cuda":
+            self.pool = kept_pool(torch.cuda.current_device() if device.index is None else device.index)
 
     @contextlib.contextmanager
     def serving(self, stream: torch.cuda.Stream | None) -> Iterator[None]:
         """While Warp records a capture on ``stream``: make it torch's current stream and route
-        torch's allocations to this allocator's pool. Torch's allocator then sees the capture, so
+        torch's allocations to the pool for kept blocks. Torch's allocator then sees the capture, so
         it takes new device memory in CUDA's relaxed capture mode (a plain ``cudaMalloc`` while
         this thread captures fails with "operation not permitted when stream is capturing": the
         looped graph at 256 worlds and more) and skips its event queries, also illegal there.
