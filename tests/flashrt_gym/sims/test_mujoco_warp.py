@@ -226,10 +226,16 @@ def test_solver_bound_is_flagged_without_a_kernel_print(device, capfd):
 def test_capsules_restore_exactly_fork_and_qpos_qvel_alone_diverges(device, micro):
     """Restore a snapshot and continue: byte-identical to the first continuation (graph replays
     on CUDA). Keeping only time, qpos and qvel of the physics rows (the ablation: the solver's
-    warm start is lost) diverges. Fork of slot 0 under equal actions keeps every slot equal."""
-    env = warp_env(device, micro)
+    warm start is lost) diverges. Fork of slot 0 copies its rows into every slot byte for byte,
+    and under equal actions the branches stay equal. On CUDA the restores run at one world and
+    the branches are compared within :data:`LOCKSTEP_TOL` over one chunk: with several worlds
+    MuJoCo Warp 4.0.0 does not repeat a run bit for bit, even deterministic (its contact sorts
+    are placeholders, ``docs/PERFORMANCE.md``): the 4-world form of this test, byte for byte
+    throughout, passed at ``6e3c853`` and failed at ``c20b9e6`` with no change to what it runs."""
+    n = 1 if device == "cuda" else N
+    env = warp_env(device, micro, n=n)
     env.reset(seed=3)
-    acts = noise(N, 6, device, seed=1)
+    acts = noise(n, 6, device, seed=1)
     run(env, acts[:2])  # into contact
     cap = env.snapshot()
     want = run(env, acts[2:])
@@ -245,12 +251,22 @@ def test_capsules_restore_exactly_fork_and_qpos_qvel_alone_diverges(device, micr
     bufs["sim.physics"][:, kept:] = later[:, kept:]
     assert not equal(run(env, acts[2:]), want)
 
-    env.restore(cap)
-    env.fork(0, range(N))
-    same = [a[:1].expand(N, -1).contiguous() for a in acts[2:]]
-    run(env, same)
-    rows = bufs["sim.physics"]
+    wide = env if n == N else warp_env(device, micro)
+    wide.reset(seed=3)
+    acts = noise(N, 6, device, seed=1)
+    run(wide, acts[:2])
+    wide.fork(0, range(N))
+    rows = wide.engine.bufs["sim.physics"]
     assert all(torch.equal(rows[i], rows[0]) for i in range(1, N))
+    same = [a[:1].expand(N, -1).contiguous() for a in acts[2:]]
+    if device == "cuda":
+        start = state_offsets(sim.mjm)["qpos"]
+        branches = seen(run(wide, same[:1]), slice(start, start + sim.mjm.nq))
+        for i in range(1, N):
+            assert deviation([x[i : i + 1] for x in branches], [x[:1] for x in branches]) <= LOCKSTEP_TOL
+    else:
+        run(wide, same)
+        assert all(torch.equal(rows[i], rows[0]) for i in range(1, N))
 
 
 @pytest.mark.parametrize("device", [WARP_CPU, CUDA])
@@ -305,7 +321,7 @@ def test_the_looped_physics_equals_the_unrolled_one(device, micro):
     unrolled graph's bytes through autoresets (one world on CUDA). Mutation: a loop of one physics
     step fewer a tick (another ``frame_skip``) departs. ``loop`` without ``capture="warp"`` is
     refused. On CUDA the looped graph's scratch takes new device memory during Warp's capture (a
-    fresh pool, and torch's cache emptied first): a plain ``cudaMalloc`` there broke the capture at
+    pool for kept blocks, and torch's cache emptied first): a plain ``cudaMalloc`` there broke the capture at
     256 worlds, where torch's cache had no block to spare."""
     n = 1 if device == "cuda" else N
     acts = noise(n, 6, device, seed=6)
