@@ -17,7 +17,9 @@ What a setting costs in physics is measured teacher-forced: the reference settin
 its rows and actions at every ``--every``-th tick, and each setting takes one tick from those
 rows; the worlds' largest position difference against the reference setting's own tick is
 reported (the reference: MuJoCo Warp's bound of 100 iterations at its float32 tolerance 1e-6),
-beside the noisy pusher's success rate over the setting's own episodes.
+beside the noisy pusher's success rate over the setting's own episodes. The reference forced from
+its own records gives 0: the rows (and the worlds frozen by success) are all a tick reads, and
+Warp's CPU device repeats a run bit for bit.
 
     python scripts/solver_iterations.py --out docs/bench/solver_iterations_<commit>.json
 """
@@ -83,9 +85,9 @@ def forced_error(sim: WarpPush, bufs: runtime.BufferSet, records: list) -> list[
     q = slice(start, start + sim.mjm.nq)
     dense, sparse = torch.zeros(sim.num_slots), torch.zeros(sim.num_slots)
     worst = []
-    for before, act, after in records:
+    for before, frozen, act, after in records:
         bufs["sim.physics"].copy_(before)
-        bufs["sim.success"].zero_()
+        bufs["sim.success"].copy_(frozen)  # worlds that had succeeded stay as they were
         sim.run_ticks(act, dense, sparse)
         worst.append(float((bufs["sim.physics"][:, q] - after[:, q]).abs().max()))
     return worst
@@ -117,10 +119,10 @@ def run_setting(args: argparse.Namespace, iterations: int, tolerance: float, rec
             for tick in range(args.ticks_per_chunk):
                 noisy = sim.expert().numpy() + rng.normal(0.0, args.noise, (args.worlds, 2))
                 act = torch.from_numpy(noisy).float().clamp(-1, 1)[:, None]
-                before = bufs["sim.physics"].clone()
+                before, frozen = bufs["sim.physics"].clone(), bufs["sim.success"].clone()
                 sim.run_ticks(act, dense, sparse)
                 if recording and (chunk * args.ticks_per_chunk + tick) % args.every == 0:
-                    records.append((before, act, bufs["sim.physics"].clone()))
+                    records.append((before, frozen, act, bufs["sim.physics"].clone()))
             chunks += 1
             done = bufs["sim.success"] | (chunks >= args.chunks_per_episode)
             episodes += int(done.sum())
