@@ -4,8 +4,9 @@ run; and the physics tick alone, beside MuJoCo Warp's own step.
 
 Env step, at each ``--sizes`` (default 1, 256, 4096 slots), for each simulator (MuJoCo Warp in
 the step's one graph; split around Warp's own graph with the solver's conditional loop,
-deterministic and not, and with the ticks as while loops around one recorded step; MuJoCo's C
-library; the tabletop): an env on the
+deterministic and not, the fast one also at a solver bound of 5 iterations instead of 10 (the
+loop runs as long as its slowest world: ``scripts/solver_iterations.py``), and with the ticks as
+while loops around one recorded step; MuJoCo's C library; the tabletop): an env on the
 GPU (the shipped tiny policy, ``max_episode_steps`` 40, noise actions uniform in the box, so
 episodes end by time limit or success and slots autoreset inside the steps at their natural
 times); ``--warmup`` steps (the first one captures the step) then ``--steps`` consecutive
@@ -75,6 +76,7 @@ SIMULATORS = {
     "mujoco_warp": WarpPush,  # the ticks recorded into the step's one torch graph (fixed iteration bound)
     "mujoco_warp_split": functools.partial(WarpPush, capture="warp"),  # Warp's graph between the two
     "mujoco_warp_split_fast": functools.partial(WarpPush, capture="warp", deterministic=False),
+    "mujoco_warp_split_fast_5": functools.partial(WarpPush, capture="warp", deterministic=False, iterations=5),
     "mujoco_warp_split_loop": functools.partial(WarpPush, capture="warp", loop=True),  # one recorded step
     "mujoco_cpu": MujocoPush,  # one CPU thread
     "mujoco_cpu_all_cores": functools.partial(MujocoPush, threads=os.cpu_count() or 1),
