@@ -80,7 +80,9 @@ def graph_kernels(replay: Callable[[], object], top: int = 10) -> dict:
     each is charged its marginal time instead, its end minus the latest end before it (the
     marginal times add up to the replay's span). Kernels by name, largest marginal total first;
     beside them the GPU's idle time (no kernel running) summed by the pair of kernels around it,
-    largest first, to tell a slow kernel from a wait before it."""
+    largest first, to tell a slow kernel from a wait before it. The profiler records only the
+    first iteration of a conditional while node's body (pytorch/kineto#1062), so a graph with
+    one (MuJoCo Warp's solver loop) shows its later iterations as idle time, not as kernels."""
     return replay_time(_gpu_events(replay), top)
 
 
