@@ -10,8 +10,6 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))
 
-pytest.importorskip("mujoco_warp")  # the script imports the simulator
-
 from solver_iterations import expected_max  # noqa: E402
 
 
