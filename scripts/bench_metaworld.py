@@ -40,7 +40,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from benchlib import commit
+from benchlib import commit, cpu_model
 
 from flashrt.policies import FlowPolicy, save
 from flashrt.policies.config import tiny
@@ -143,13 +143,6 @@ def metaworld_tiny(folder: str) -> str:
     vocab = sorted({w for text in INSTRUCTIONS.values() for w in text.split()})
     torch.manual_seed(0)
     return str(save(FlowPolicy(replace(tiny(vocab), action_dim=4, proprio_dim=4)), folder))
-
-
-def cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []:
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor()
 
 
 def main() -> None:

@@ -1,8 +1,8 @@
 """What the benchmark scripts share: the two timers (CUDA events per call for copies measured
 in microseconds, wall clock around a synchronised call for whole steps), the kernel count of a
 step, where its time goes (eager, and inside a graph replay), the GPU's measured rates that
-floors are computed from, and the provenance every result file records (GPU, torch, Python,
-commit)."""
+floors are computed from, and the provenance every result file records (GPU, CPU, torch,
+Python, commit)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import statistics
 import subprocess
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -153,9 +154,20 @@ def commit() -> str:
     return out.stdout.strip() or "unknown"
 
 
-def provenance() -> dict[str, str]:
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``, else what ``platform`` says)."""
+    cpuinfo = Path("/proc/cpuinfo")
+    for line in cpuinfo.read_text().splitlines() if cpuinfo.exists() else []:
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+def provenance() -> dict[str, str | None]:
+    """Where a result was measured: the GPU (None without CUDA), the CPU, torch, Python, commit."""
     return {
-        "gpu": torch.cuda.get_device_name(),
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "cpu": cpu_model(),
         "torch": torch.__version__,
         "python": platform.python_version(),
         "commit": commit(),

@@ -29,13 +29,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
-from benchlib import commit
+from benchlib import provenance
 
 from flashrt import runtime
 from flashrt_gym.sims import WarpPush
@@ -180,8 +179,7 @@ def main(argv: list[str] | None = None) -> dict:
             flush=True,
         )
     versions = {"warp": warp_api().wp.__version__, "mujoco_warp": warp_api().mjw.__version__}
-    machine = {"commit": commit(), "cpu": platform.processor() or platform.machine(), "torch": torch.__version__}
-    result = {**machine, **versions, "args": {k: str(v) for k, v in vars(args).items()}, "settings": rows}
+    result = {**provenance(), **versions, "args": {k: str(v) for k, v in vars(args).items()}, "settings": rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     runtime.atomic_write(args.out, lambda f: f.write(json.dumps(result, indent=1).encode()))
     return result
