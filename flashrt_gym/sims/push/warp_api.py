@@ -193,11 +193,13 @@ class KeptAllocator:
     """
 
     def __init__(self, device: torch.device) -> None:
+        if device.type == "cuda" and device.index is None:  # use_mem_pool needs the index
+            device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
         self.blocks: list[torch.Tensor] = []
         self.pool: torch.cuda.MemPool | None = None
         if device.type == "cuda":
-            self.pool = kept_pool(torch.cuda.current_device() if device.index is None else device.index)
+            self.pool = kept_pool(device.index)
 
     @contextlib.contextmanager
     def serving(self, stream: torch.cuda.Stream | None) -> Iterator[None]:
