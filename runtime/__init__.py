@@ -8,7 +8,7 @@ from flashrt.runtime.buffers import ALIGN, BufferSet, BufferSpec, scratch, share
 from flashrt.runtime.capsule import Capsule, snapshot
 from flashrt.runtime.descriptor import CapsuleError, CapsuleFileError, DeploymentMismatchError, LayoutMismatchError
 from flashrt.runtime.files import atomic_write
-from flashrt.runtime.graphs import Graph, MissingVariantError
+from flashrt.runtime.graphs import Graph, MissingVariantError, collector_paused
 from flashrt.runtime.registry import CapsuleRegistry, RegistryStats
 from flashrt.runtime.slots import copy_rows, masked_restore
 from flashrt.runtime.streams import Event, Stream
@@ -32,6 +32,7 @@ __all__ = [
     "RegistryStats",
     "Stream",
     "atomic_write",
+    "collector_paused",
     "copy_rows",
     "fork",
     "masked_restore",

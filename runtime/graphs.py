@@ -24,8 +24,10 @@ leaving the state untouched.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 from collections import OrderedDict
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
 from typing import Literal
 
@@ -36,6 +38,27 @@ from flashrt.runtime.guarded import GuardedGraph, new_graph
 from flashrt.runtime.streams import Stream
 
 Backend = Literal["auto", "cuda", "eager"]
+
+
+@contextlib.contextmanager
+def collector_paused() -> Iterator[None]:
+    """Hold Python's cyclic garbage collector off while a CUDA graph is captured.
+
+    A collection can start at any allocation of a Python object, so inside a capture it would
+    run the destructors of whatever dropped cycles it finds: another env's Warp arrays and
+    graphs, a torch memory pool. Their frees and cache flushes cannot be captured: CUDA
+    invalidates the capture (error 901 at a later launch) or torch's allocator aborts the
+    process. The collector runs again after the capture, where they are harmless; explicit
+    ``gc.collect()`` calls are not held off. Nests: an inner use leaves the collector as the
+    outer one set it.
+    """
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 class MissingVariantError(LookupError):
@@ -160,14 +183,20 @@ class Graph:
             self._pool = torch.cuda.graph_pool_handle()
         if guard is None:
             g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=self._pool, stream=side, capture_error_mode="thread_local"):
+            with (
+                collector_paused(),
+                torch.cuda.graph(g, pool=self._pool, stream=side, capture_error_mode="thread_local"),
+            ):
                 fn()
             variant = _Variant(run=g.replay)
         else:
             parts = []
             for part in (guard, fn):  # one pool, replayed in capture order
                 g = new_graph()
-                with torch.cuda.graph(g, pool=self._pool, stream=side, capture_error_mode="thread_local"):
+                with (
+                    collector_paused(),
+                    torch.cuda.graph(g, pool=self._pool, stream=side, capture_error_mode="thread_local"),
+                ):
                     out = part()
                 parts.append((g, out))
             guarded = GuardedGraph(parts[0][0], parts[1][0], parts[0][1])

@@ -1,5 +1,7 @@
 """The runtime's semantics under CUDA graph replay (run on the GPU machine: pytest -m cuda)."""
 
+import gc
+
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -44,6 +46,24 @@ def test_cuda_capture_leaves_the_state_untouched():
     g.capture(8, lambda: toy.step(b), warmup=3)
     assert g.backend == "cuda"
     assert toy.same_state(b, before)
+
+
+@pytest.mark.parametrize("guarded", [False, True], ids=["plain", "guarded"])
+def test_the_garbage_collector_is_held_off_inside_a_capture(guarded):
+    """A cyclic collection inside a capture would run other objects' CUDA frees there
+    (``collector_paused``); the warm-up runs, outside the capture, keep the collector, and it
+    is back on after the capture."""
+    b = toy.make(4, "cuda")
+    seen: list[bool] = []
+
+    def step() -> None:
+        seen.append(gc.isenabled())
+        toy.step(b)
+
+    flag = torch.ones((), dtype=torch.bool, device="cuda")
+    g = Graph("toy").bind(b)
+    g.capture(4, step, warmup=2, guard=(lambda: flag) if guarded else None)
+    assert seen == [True, True, False] and gc.isenabled()
 
 
 def test_snapshot_restore_fork_between_replays_are_exact():

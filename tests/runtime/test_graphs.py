@@ -1,7 +1,9 @@
+import gc
+
 import pytest
 import torch
 
-from flashrt.runtime import BufferSet, Graph, MissingVariantError, slot
+from flashrt.runtime import BufferSet, Graph, MissingVariantError, collector_paused, slot
 from tests.runtime import toy
 
 
@@ -116,3 +118,22 @@ def test_held_names_a_variant_without_a_guard():
     for key in (1, 2):
         with pytest.raises(ValueError, match="not a captured guarded variant"):
             g.held(key)
+
+
+def test_the_collector_is_paused_for_a_capture_and_restored_as_it_was():
+    assert gc.isenabled()
+    with pytest.raises(RuntimeError, match="inside"):
+        with collector_paused():
+            assert not gc.isenabled()
+            with collector_paused():  # nested: the inner exit leaves it paused
+                pass
+            assert not gc.isenabled()
+            raise RuntimeError("inside")
+    assert gc.isenabled()  # back on after an error too
+    gc.disable()
+    try:
+        with collector_paused():
+            pass
+        assert not gc.isenabled()  # a caller's own choice is kept
+    finally:
+        gc.enable()

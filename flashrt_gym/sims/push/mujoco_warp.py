@@ -55,7 +55,7 @@ import mujoco
 import numpy as np
 import torch
 
-from flashrt.runtime import BufferSet, BufferSpec, slot
+from flashrt.runtime import BufferSet, BufferSpec, collector_paused, slot
 from flashrt.runtime.views import bind_views
 from flashrt_gym.assets import TINY_MUJOCO
 from flashrt_gym.sims.push.mujoco_cpu import renderer_for
@@ -449,6 +449,7 @@ class WarpPush(BoundState):
             kept = KeptAllocator(self.device) if self.loop else None
             with contextlib.ExitStack() as scope:
                 scope.enter_context(wp.ScopedStream(on_side, sync_enter=False))
+                scope.enter_context(collector_paused())
                 cap = scope.enter_context(wp.ScopedCapture(stream=on_side))
                 if kept is not None:
                     scope.enter_context(kept.serving(side))

@@ -9,6 +9,8 @@ kernels first)."""
 import functools
 import math
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -464,3 +466,54 @@ def test_one_replay_runs_the_policy_and_the_physics_kernels():
         assert warp and len(warp) < len(names)  # physics and policy, in one replay
         counts.append(len(names))
     assert counts[0] == counts[1]
+
+
+DROPPED_ENV = """
+import contextlib, functools, gc, sys, torch
+from flashrt_gym import FlashRTVectorEnv
+from flashrt_gym.sims import WarpPush
+from flashrt_gym.sims.push import mujoco_warp
+if sys.argv[1] == "unpaused":  # the mutation: the collector left on during Warp's capture
+    mujoco_warp.collector_paused = contextlib.nullcontext
+launch = WarpPush._launch
+def launch_where_a_collection_may_start(self, ticks):
+    if gc.isenabled() and self.wp_device.is_capturing:
+        gc.collect()  # what an automatic collection does at an allocation, where the collector is on
+    launch(self, ticks)
+WarpPush._launch = launch_where_a_collection_may_start
+def env(**kw):
+    sim = functools.partial(WarpPush, capture="warp", deterministic=False, **kw)
+    made = FlashRTVectorEnv(1, device="cuda", graphs=False, simulator=sim, max_episode_steps=3)
+    made.reset(seed=0)
+    return made
+action = torch.rand(1, 16, generator=torch.Generator().manual_seed(0)).cuda() * 2 - 1
+dropped = env(loop=True)
+dropped.step_torch(action)  # its looped graph, its kept blocks
+cycle = [dropped]
+cycle.append(cycle)
+del dropped, cycle  # only a collection frees it, as it frees an env that a notebook let go
+obs = env().step_torch(action)[0]  # the first step captures Warp's graph of the ticks
+torch.cuda.synchronize()
+print("stepped", bool(torch.isfinite(obs).all()))
+"""
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_an_env_collected_as_garbage_cannot_break_anothers_capture():
+    """A dropped env whose cycle the garbage collector frees inside another env's capture of
+    Warp's graph frees Warp graphs and memory there, which breaks that capture (CUDA error 901
+    at the next launch: seen at ``d8cdecf``, the looped-physics test's envs collected inside the
+    next test's capture). The collector is held off while a graph is captured
+    (``runtime.collector_paused``), so the capture completes. Mutation: with the collector left on
+    (a collection run where one may start), the step fails. A separate process each, since a
+    broken capture can leave the CUDA context unusable."""
+
+    def run_variant(variant: str) -> subprocess.CompletedProcess:
+        cmd = [sys.executable, "-c", DROPPED_ENV, variant]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=os.environ.copy())
+
+    paused = run_variant("paused")
+    assert paused.returncode == 0 and "stepped True" in paused.stdout, paused.stderr[-2000:]
+    unpaused = run_variant("unpaused")
+    assert unpaused.returncode != 0 or "stepped True" not in unpaused.stdout
