@@ -1,7 +1,9 @@
 """Meta-World MT10 on the CPU: the simulator alone and the env around it, sustained.
 
-Rows, at each ``--sizes`` (default 1 and 64 slots; slot i runs MT10 task i % 10) and each
-``--threads`` (CPU threads that step the slots' physics; default 1 and 2):
+Rows, at each ``--sizes`` (default 1 and 64 slots; slot i runs MT10 task i % 10), each
+``--threads`` (CPU threads that step the slots' physics; default 1 and 2) and each ``--processes``
+(worker processes that split the slots, each with that many threads; default 1; counts above the
+slots are skipped):
 
 - ``sim``: :class:`~flashrt_gym.sims.MetaWorld` alone, chunks of 4 Meta-World steps under
   uniform random actions, a slot reset (Meta-World's ``reset``) when it succeeds or after 40
@@ -46,7 +48,7 @@ from flashrt.policies import FlowPolicy, save
 from flashrt.policies.config import tiny
 from flashrt.runtime import atomic_write
 from flashrt_gym import FlashRTVectorEnv
-from flashrt_gym.sims import MetaWorld
+from flashrt_gym.sims import MetaWorld, metaworld
 from flashrt_gym.sims.metaworld_tasks import INSTRUCTIONS
 
 
@@ -72,9 +74,9 @@ def timed(step, steps: int, warmup: int, budget_s: float, slots: int) -> dict:
     }
 
 
-def bench_sim(n: int, threads: int, args: argparse.Namespace) -> dict:
+def bench_sim(n: int, threads: int, processes: int, args: argparse.Namespace) -> dict:
     t = time.perf_counter()
-    sim = MetaWorld(n, "MT10", threads=threads)
+    sim = metaworld(n, "MT10", threads=threads, processes=processes)
     built = time.perf_counter() - t
     sim.seed(np.arange(n))
     sim.reset()
@@ -93,6 +95,8 @@ def bench_sim(n: int, threads: int, args: argparse.Namespace) -> dict:
             resets[0] += int(done.sum())
 
     row = {"build_s": built} | timed(step, args.steps, args.warmup, args.budget_s, n)
+    if processes > 1:
+        sim.close()
     return row | {"slots_reset": resets[0]}
 
 
@@ -107,9 +111,9 @@ def bench_render(n: int, args: argparse.Namespace) -> dict:
     return {"first_render_s": first, "frames_per_s": row["sustained_chunks_per_s"], "ms_per_call": row["mean_ms"]}
 
 
-def bench_env(n: int, threads: int, weights: str, args: argparse.Namespace) -> dict:
+def bench_env(n: int, threads: int, processes: int, weights: str, args: argparse.Namespace) -> dict:
     t = time.perf_counter()
-    simulator = functools.partial(MetaWorld, tasks="MT10", threads=threads)
+    simulator = functools.partial(metaworld, tasks="MT10", threads=threads, processes=processes)
     env = FlashRTVectorEnv(n, simulator=simulator, weights=weights, device=args.device, max_episode_steps=40)
     env.reset(seed=0)
     built = time.perf_counter() - t
@@ -149,6 +153,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", type=int, nargs="+", default=[1, 64])
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--processes", type=int, nargs="+", default=[1])
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--budget-s", type=float, default=60.0)
@@ -177,9 +182,9 @@ def main() -> None:
         "rows": [],
     }
 
-    def record(kind: str, n: int, threads: int | None, fn, *a) -> None:
+    def record(kind: str, n: int, threads: int | None, processes: int, fn, *a) -> None:
         load = os.getloadavg()
-        row = {"row": kind, "slots": n, "threads": threads, "load_before": load} | fn(*a)
+        row = {"row": kind, "slots": n, "threads": threads, "processes": processes, "load_before": load} | fn(*a)
         row["load_after"] = os.getloadavg()
         result["rows"].append(row)
         print(json.dumps(row), flush=True)
@@ -189,12 +194,13 @@ def main() -> None:
         weights = args.weights or (metaworld_tiny(folder) if "env" in args.rows else "")
         for n in args.sizes:
             if "render" in args.rows:
-                record("render", n, 1, bench_render, n, args)
-            for threads in args.threads:
-                if "sim" in args.rows:
-                    record("sim", n, threads, bench_sim, n, threads, args)
-                if "env" in args.rows:
-                    record("env", n, threads, bench_env, n, threads, weights, args)
+                record("render", n, 1, 1, bench_render, n, args)
+            for processes in (p for p in args.processes if p <= n):
+                for threads in args.threads:
+                    if "sim" in args.rows:
+                        record("sim", n, threads, processes, bench_sim, n, threads, processes, args)
+                    if "env" in args.rows:
+                        record("env", n, threads, processes, bench_env, n, threads, processes, weights, args)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ The factories below are the simulators of ``FlashRT-MuJoCoPush``, ``FlashRT-MuJo
 these tasks are in :mod:`flashrt_gym.demos`.
 """
 
+import functools
 import importlib
 from collections.abc import Sequence
 from typing import Any
@@ -62,10 +63,21 @@ def metaworld(
     image_size: int = 64,
     camera: str = "overview",
     block: int = 1,
+    processes: int = 1,
 ) -> Any:
     """``FlashRT-MetaWorld-*``'s simulator: :class:`MetaWorld` of ``num_envs`` slots of Meta-World
-    ``tasks`` (``"MT10"`` or task names, in runs of ``block`` slots) stepped by ``threads`` CPU threads."""
-    return __getattr__("MetaWorld")(num_envs, tasks, threads, image_size, camera, block)
+    ``tasks`` (``"MT10"`` or task names, in runs of ``block`` slots) stepped by ``threads`` CPU
+    threads; with ``processes`` > 1, the slots split over that many worker processes of
+    ``threads`` threads each (:class:`~flashrt_gym.sims.processes.Processes`: Meta-World's Python
+    code holds the GIL, so threads alone do not fill the cores). The same bytes for any counts."""
+    make = functools.partial(
+        __getattr__("MetaWorld"), tasks=tasks, threads=threads, image_size=image_size, camera=camera, block=block
+    )
+    if processes == 1:
+        return make(num_envs)
+    from flashrt_gym.sims.processes import Processes
+
+    return Processes(make, num_envs, processes)
 
 
 __all__ = ["metaworld", "mujoco_push", "warp_push", *_LAZY]

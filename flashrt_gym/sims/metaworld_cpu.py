@@ -95,6 +95,8 @@ class MetaWorld:
             ``(i // block) % len(tasks)``. Rows fork only between slots of one task, so a search
             that forks a slot into its next ``k - 1`` neighbours (``scripts/steer_search.py``'s
             groups) wants ``block=k``.
+        first_slot: the simulator's slot 0 is slot ``first_slot`` of a larger one, for the task
+            rule above (a shard of :class:`~flashrt_gym.sims.processes.Processes`).
 
     Raises:
         ValueError: bad arguments, named.
@@ -115,6 +117,7 @@ class MetaWorld:
         image_size: int = 64,
         camera: str = "overview",
         block: int = 1,
+        first_slot: int = 0,
     ) -> None:
         if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots < 1:
             raise ValueError(f"num_slots must be an int >= 1, got {num_slots!r}")
@@ -124,6 +127,8 @@ class MetaWorld:
             raise ValueError(f"image_size must be an int >= 8, got {image_size!r}")
         if isinstance(block, bool) or not isinstance(block, int) or block < 1:
             raise ValueError(f"block must be an int >= 1 (slots in a run of one task), got {block!r}")
+        if isinstance(first_slot, bool) or not isinstance(first_slot, int) or first_slot < 0:
+            raise ValueError(f"first_slot must be an int >= 0, got {first_slot!r}")
         self.task_names = task_names(tasks)
         self.instructions = [INSTRUCTIONS[n] for n in self.task_names]
         self.num_slots, self.threads, self.image_size, self.camera = num_slots, threads, image_size, camera
@@ -143,7 +148,7 @@ class MetaWorld:
             env.close()
         self.fields_capacity = -(-(2 * seen + 1024) // 8) * 8
         """Bytes a row keeps for the encoded Python fields: twice the longest seen, and 1 KiB."""
-        self.task = (np.arange(num_slots) // block) % len(self.task_names)
+        self.task = ((np.arange(num_slots) + first_slot) // block) % len(self.task_names)
         self.envs = [self.make_instance(self.task_names[t]) for t in self.task]
         if camera != "overview" and mujoco.mj_name2id(self.envs[0].model, mujoco.mjtObj.mjOBJ_CAMERA, camera) < 0:
             raise ValueError(f"camera must be 'overview' or a camera of the scene, got {camera!r}")

@@ -1,5 +1,6 @@
-"""scripts/bench_metaworld.py end to end on the CPU (one slot, a few chunks): the simulator and
-env rows are written with their rates, and asking for a GPU where there is none is refused by name."""
+"""scripts/bench_metaworld.py end to end on the CPU (two slots, a few chunks): the simulator and
+env rows are written with their rates, in one process and split over two, and asking for a GPU
+where there is none is refused by name."""
 
 import importlib.util
 import json
@@ -17,11 +18,12 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("metaworld") is None, r
 
 def test_the_sim_and_env_rows_are_written(tmp_path):
     out = tmp_path / "bench.json"
-    args = ["--sizes", "1", "--threads", "1", "--rows", "sim", "env", "--steps", "2", "--budget-s", "30"]
+    args = ["--sizes", "2", "--threads", "1", "--processes", "1", "2", "--rows", "sim", "env", "--steps", "2"]
     done = subprocess.run([sys.executable, SCRIPT, *args, "--out", str(out)], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
-    assert [(r["row"], r["slots"], r["threads"]) for r in rows] == [("sim", 1, 1), ("env", 1, 1)]
+    got = [(r["row"], r["slots"], r["threads"], r["processes"]) for r in rows]
+    assert got == [("sim", 2, 1, 1), ("env", 2, 1, 1), ("sim", 2, 1, 2), ("env", 2, 1, 2)]
     assert all(r["steps"] == 2 and r["sustained_chunks_per_s"] > 0 for r in rows)
 
 

@@ -327,3 +327,43 @@ def test_env_capsules_restore_the_policy_and_meta_world_together(micro_metaworld
     same = [rng.uniform(-1, 1, envs.action_space.shape[1:]).astype(np.float32)] * 2
     obs, reward, *_ = envs.step(np.stack(same))
     assert np.array_equal(obs[0], obs[1]) and reward[0] == reward[1]
+
+
+def test_processes_give_one_processs_bytes_and_restore_all_or_nothing():
+    """``processes=2``: shards of slots 0-1 and 2-4, the second's first slot running task 2 % 3 as
+    in one simulator; seeds, resets, steps, frames and rows are one process's bytes. A set of rows
+    that one shard refuses (a corrupted row of slot 4) changes no slot of either shard, though the
+    other shard had written its own. Mutation: the shard built without its first slot offset
+    runs other tasks."""
+    from flashrt_gym.sims import metaworld
+
+    tasks = ["push-v3", "drawer-open-v3", "reach-v3"]
+    one, sharded = MetaWorld(5, tasks), metaworld(5, tasks, processes=2)
+    try:
+        assert sharded.bounds.tolist() == [0, 2, 5] and sharded.identity() == one.identity()
+        offset = MetaWorld(3, tasks, first_slot=2).task.tolist()
+        assert MetaWorld(3, tasks).task.tolist() != one.task[2:].tolist() == offset
+        rng = np.random.default_rng(3)
+        actions = [rng.uniform(-1, 1, (5, 4, 4)) for _ in range(3)]
+        runs = []
+        for sim in (one, sharded):
+            sim.seed(np.arange(5) + 21)
+            sim.reset()
+            out = [x.tobytes() for a in actions[:2] for x in sim.run_ticks(a)]
+            sim.reset(np.array([True, False, False, True, False]))
+            out += [x.tobytes() for x in sim.run_ticks(actions[2])]
+            out += [sim.render().tobytes(), sim.observation().tobytes(), sim.instruction().tobytes()]
+            runs.append([*out, sim.get_state().tobytes(), sim.get_state(np.array([4, 0])).tobytes()])
+        assert runs[0] == runs[1]
+        before = sharded.get_state()
+        other = MetaWorld(5, tasks)
+        other.seed(np.arange(5) + 500)
+        other.reset()
+        rows = other.get_state()
+        assert not np.array_equal(rows[:2], before[:2])  # shard 0 would change if nothing undid it
+        rows[4, 100] ^= 1
+        with pytest.raises(ValueError, match=r"shard 1 \(slots 2 to 4.*slot 2 is refused: its checksum"):
+            sharded.set_state(None, rows)
+        assert np.array_equal(sharded.get_state(), before)
+    finally:
+        sharded.close()
