@@ -10,12 +10,12 @@
    with ``configs/metaworld_pretrain.yaml`` (``configs/pretrain.yaml`` with the ``tiny_metaworld``
    preset; composed by Hydra) and the ``key=value`` overrides given. Every checkpoint is scored in
    closed loop per task on the validation starts (``eval_episodes`` per task, the unsteered policy,
-   the physics on ``--eval-threads`` CPU threads). Writes ``<out>/pretrain/step-N/`` weights and
+   the physics split over ``--eval-processes`` worker processes). Writes ``<out>/pretrain/step-N/`` weights and
    ``<out>/pretrain/evals.json``.
 3. Choose the checkpoint of the highest mean validation success over the tasks (the earliest of
    equals), then measure it once on the test starts; ``<out>/base.json`` holds both, per task.
 
-    python scripts/metaworld_pretrain.py --episodes 300 --workers 16 --eval-threads 16 \\
+    python scripts/metaworld_pretrain.py --episodes 300 --workers 16 --eval-processes 16 \\
         --out runs/metaworld_mt10 steps=6000
 """
 
@@ -113,13 +113,15 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--seed", type=int, default=0, help="the collection's seed (flashrt_gym.splits.demo_seed)")
     ap.add_argument("--image-size", type=int, default=64, help="the camera's resolution (the policy's)")
     ap.add_argument("--camera", default="overview")
-    ap.add_argument("--eval-threads", type=int, default=os.cpu_count() or 1, help="CPU threads of the evaluations")
+    ap.add_argument(
+        "--eval-processes", type=int, default=os.cpu_count() or 1, help="worker processes of the evaluations' physics"
+    )
     ap.add_argument("--collect-only", action="store_true")
     ap.add_argument("--out", type=Path, default=Path("runs/metaworld_pretrain"))
     ap.add_argument("overrides", nargs="*", help="configs/metaworld_pretrain.yaml keys as key=value")
     args = ap.parse_args(argv)
-    if args.episodes < 1 or args.slots < 1 or args.workers < 1:
-        ap.error("--episodes, --slots and --workers must be >= 1")
+    if args.episodes < 1 or args.slots < 1 or args.workers < 1 or args.eval_processes < 1:
+        ap.error("--episodes, --slots, --workers and --eval-processes must be >= 1")
     tasks = args.tasks[0] if args.tasks == ["MT10"] else args.tasks
     demos = args.out / "demos"
     if not any(demos.glob("*.safetensors")):
@@ -149,7 +151,7 @@ def main(argv: list[str] | None = None) -> dict:
             n_action_steps=cfg.n_action_steps,
             max_episode_steps=cfg.max_episode_steps,
             device=device,
-            threads=args.eval_threads,
+            processes=args.eval_processes,
         )
 
     # run() reads the shards, their instructions and its evaluation through these module-level names

@@ -33,8 +33,10 @@ from safetensors.torch import save as save_bytes
 from flashrt.runtime import atomic_write
 from flashrt_gym.demos import FORMAT
 from flashrt_gym.env import FlashRTVectorEnv
+from flashrt_gym.sims import metaworld
 from flashrt_gym.sims.metaworld_cpu import MetaWorld
 from flashrt_gym.sims.metaworld_tasks import INSTRUCTIONS, task_names
+from flashrt_gym.sims.processes import Processes
 from flashrt_gym.splits import demo_seed
 
 SIMULATOR = "metaworld"
@@ -71,17 +73,20 @@ class MetaWorldTask:
         """Every word of the instructions (sorted): the policy's word vocabulary."""
         return sorted({w for text in self.instructions for w in text.split()})
 
-    def simulator(self, num_slots: int, threads: int = 1) -> MetaWorld:
+    def simulator(self, num_slots: int, threads: int = 1, processes: int = 1) -> MetaWorld | Processes:
         """A simulator of this setting.
 
         Args:
             num_slots: parallel episodes (slot ``i`` runs task ``i % len(tasks)``).
-            threads: CPU threads that step the slots.
+            threads: CPU threads that step the slots (of each process).
+            processes: worker processes that split the slots (:class:`~flashrt_gym.sims.processes.Processes`).
 
         Returns:
-            A fresh :class:`~flashrt_gym.sims.MetaWorld`.
+            A fresh :class:`~flashrt_gym.sims.MetaWorld`, or with ``processes`` > 1 its shards.
         """
-        return MetaWorld(num_slots, self.tasks, threads=threads, image_size=self.image_size, camera=self.camera)
+        return metaworld(
+            num_slots, self.tasks, threads=threads, image_size=self.image_size, camera=self.camera, processes=processes
+        )
 
     def to_json(self) -> str:
         """The setting as JSON (the shards' ``task`` metadata; ``MetaWorldTask(**json.loads(text))`` reads it)."""
@@ -253,6 +258,7 @@ def evaluate(
     max_episode_steps: int,
     device: str = "cpu",
     threads: int = 1,
+    processes: int = 1,
 ) -> dict[str, float]:
     """Success rate per task of the unsteered policy in ``weights`` (its own noise, no correction).
 
@@ -268,16 +274,19 @@ def evaluate(
         n_action_steps: ticks a chunk.
         max_episode_steps: chunks an episode (times ``n_action_steps`` within Meta-World's 500 ticks).
         device: the policy's device.
-        threads: CPU threads that step the physics.
+        threads: CPU threads that step the physics (of each process).
+        processes: worker processes that split the slots (at most the slots; Meta-World's Python
+            holds the GIL, so processes fill the cores where threads do not).
 
     Returns:
         ``{task name: success rate}`` and ``"mean"``, their average.
     """
+    slots = episodes * len(task.tasks)
     env = FlashRTVectorEnv(
-        episodes * len(task.tasks),
+        slots,
         action_mode="residual",
         autoreset=False,
-        simulator=functools.partial(task.simulator, threads=threads),
+        simulator=functools.partial(task.simulator, threads=threads, processes=min(processes, slots)),
         weights=weights,
         device=device,
         n_action_steps=n_action_steps,

@@ -152,7 +152,8 @@ def test_collect_pretrain_choose_and_test_end_to_end(tmp_path, monkeypatch):
         return {**rates, "mean": rates["mean"] + bonus[Path(weights).name] * (seed == VALIDATION_SEED)}
 
     monkeypatch.setattr(metaworld_pretrain, "evaluate", recorded)
-    args = ["--tasks", *TASK.tasks, "--episodes", "2", "--slots", "4", "--max-ticks", "100", "--out", str(tmp_path)]
+    args = ["--tasks", *TASK.tasks, "--episodes", "2", "--slots", "4", "--max-ticks", "100", "--eval-processes", "2"]
+    args += ["--out", str(tmp_path)]  # the evaluations' two slots (one episode of each task) in two processes
     overrides = ["steps=3", "batch_size=4", "warmup=1", "eval_every=1", "eval_episodes=1", "max_episode_steps=2"]
     result = metaworld_pretrain.main([*args, *overrides, "device=cpu"])
     validation = [(f"step-{s}", VALIDATION_SEED) for s in (1, 2, 3)]
