@@ -68,11 +68,13 @@ def metaworld(
     """``FlashRT-MetaWorld-*``'s simulator: :class:`MetaWorld` of ``num_envs`` slots of Meta-World
     ``tasks`` (``"MT10"`` or task names, in runs of ``block`` slots) stepped by ``threads`` CPU
     threads; with ``processes`` > 1, the slots split over that many worker processes of
-    ``threads`` threads each (:class:`~flashrt_gym.sims.processes.Processes`: Meta-World's Python
-    code holds the GIL, so threads alone do not fill the cores). The same bytes for any counts."""
+    ``threads`` threads each, at most one a slot (:class:`~flashrt_gym.sims.processes.Processes`:
+    Meta-World's Python code holds the GIL, so threads alone do not fill the cores; a run's
+    smaller evaluation env takes what it can use). The same bytes for any counts."""
     make = functools.partial(
         __getattr__("MetaWorld"), tasks=tasks, threads=threads, image_size=image_size, camera=camera, block=block
     )
+    processes = min(processes, num_envs)
     if processes == 1:
         return make(num_envs)
     from flashrt_gym.sims.processes import Processes

@@ -367,3 +367,4 @@ def test_processes_give_one_processs_bytes_and_restore_all_or_nothing():
         assert np.array_equal(sharded.get_state(), before)
     finally:
         sharded.close()
+    assert isinstance(metaworld(1, tasks, processes=4), MetaWorld)  # at most one process a slot
