@@ -2,15 +2,20 @@
 projection: the projection writes ``(..., 2m)`` with the gate in the first half; the kernel reads
 both halves once and writes ``(..., m)``, where the reference takes a chunk, a GELU and a product
 (three passes over memory). The plain MLP's ``gelu_tanh(x W^T + b)`` runs in its projection
-(:func:`flashrt.kernels.matmul.linear_gelu`).
+(:func:`flashrt.kernels.matmul.linear_gelu`). With ``fp8=True`` the output leaves quantised per row
+for the FP8 down projection (:data:`flashrt.kernels.fp8.Rows`): one program a row holds the row's
+product, its largest magnitude, the scale and the e4m3 values.
 """
 
 from __future__ import annotations
+
+from typing import Literal, overload
 
 import torch
 import torch.nn.functional as F
 
 from flashrt.kernels.backend import tl, triton, use_triton
+from flashrt.kernels.fp8 import MAX_ROW, Rows, quantize_rows
 
 
 def gelu_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
@@ -39,6 +44,21 @@ if triton is not None:
         u = tl.load(gate_up + row * 2 * m + m + cols, mask=inside, other=0.0).to(tl.float32)
         tl.store(out + row * m + cols, geglu(g.to(tl.float32), u, g.dtype).to(g.dtype), mask=inside)
 
+    @triton.jit
+    def _gelu_mul_fp8_kernel(gate_up, q, scale, m, BLOCK: tl.constexpr):
+        # kernels.fp8.quantize_rows of the product as the kernel above stores it (rounded to the
+        # input's dtype), the whole row in one program
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        inside = cols < m
+        g = tl.load(gate_up + row * 2 * m + cols, mask=inside, other=0.0)
+        u = tl.load(gate_up + row * 2 * m + m + cols, mask=inside, other=0.0).to(tl.float32)
+        y = geglu(g.to(tl.float32), u, g.dtype).to(g.dtype).to(tl.float32)
+        amax = tl.maximum(tl.max(tl.abs(y), axis=0), 1e-12)  # fp8.MIN_AMAX
+        v = tl.minimum(tl.maximum(y * tl.div_rn(448.0, amax), -448.0), 448.0)  # rounded as torch divides
+        tl.store(q + row * m + cols, v.to(tl.float8e4nv), mask=inside)
+        tl.store(scale + row, tl.div_rn(amax, 448.0))
+
 
 _BLOCK = 1024
 
@@ -54,10 +74,36 @@ def gelu_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def gelu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """``gelu_tanh(gate) * up`` for ``gate_up (..., 2m)`` (gate first) -> ``(..., m)``."""
+def gelu_mul_fp8_triton(gate_up: torch.Tensor) -> Rows:
+    """The Triton kernel of ``gelu_mul(gate_up, fp8=True)`` (a program a row)."""
+    m = gate_up.shape[-1] // 2
+    gate_up = gate_up.contiguous()
+    q = torch.empty((*gate_up.shape[:-1], m), dtype=torch.float8_e4m3fn, device=gate_up.device)
+    scale = torch.empty((*gate_up.shape[:-1], 1), dtype=torch.float32, device=gate_up.device)
+    rows = gate_up.numel() // (2 * m) if m else 0
+    if rows:
+        block = triton.next_power_of_2(m)
+        _gelu_mul_fp8_kernel[(rows,)](gate_up, q, scale, m, BLOCK=block, num_warps=min(16, max(1, block // 256)))
+    return q, scale
+
+
+@overload
+def gelu_mul(gate_up: torch.Tensor, *, fp8: Literal[False] = ...) -> torch.Tensor: ...
+@overload
+def gelu_mul(gate_up: torch.Tensor, *, fp8: Literal[True]) -> Rows: ...
+@overload
+def gelu_mul(gate_up: torch.Tensor, *, fp8: bool) -> torch.Tensor | Rows: ...
+def gelu_mul(gate_up: torch.Tensor, *, fp8: bool = False) -> torch.Tensor | Rows:
+    """``gelu_tanh(gate) * up`` for ``gate_up (..., 2m)`` (gate first) -> ``(..., m)``; with
+    ``fp8``, that output quantised per row (:func:`flashrt.kernels.fp8.quantize_rows`'s
+    ``(q, scale)``) in the same kernel."""
     if gate_up.shape[-1] % 2:
         raise ValueError(f"gelu_mul needs an even last dimension (gate and up halves), got {gate_up.shape[-1]}")
-    if use_triton(gate_up):
+    if not use_triton(gate_up):
+        out = gelu_mul_reference(gate_up)
+        return quantize_rows(out) if fp8 else out
+    if not fp8:
         return gelu_mul_triton(gate_up)
-    return gelu_mul_reference(gate_up)
+    if gate_up.shape[-1] // 2 <= MAX_ROW:
+        return gelu_mul_fp8_triton(gate_up)
+    return quantize_rows(gelu_mul_triton(gate_up))

@@ -39,6 +39,14 @@ MIN_AMAX = 1e-12
 quantise to 0 all the same)."""
 ALIGN = 16
 """``torch._scaled_mm`` takes ``k`` and ``n`` in multiples of 16."""
+MAX_ROW = 1 << 16
+"""The longest row a quantising kernel holds in one program; longer rows quantise in torch."""
+
+
+Rows = tuple[torch.Tensor, torch.Tensor]
+"""Activations quantised per row, :func:`quantize_rows`'s ``(q, scale)``: e4m3 ``(..., k)`` and
+float32 ``(..., 1)``. The norms and the gated activation before a projection write them in
+their own kernels (their ``fp8=True`` forms), and :func:`linear_rows` multiplies them."""
 
 
 class Fp8Weight(NamedTuple):
@@ -143,7 +151,7 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if not x.is_floating_point() or x.dtype == E4M3:
         raise ValueError(f"quantize_rows: x must be bf16/fp16/fp32 activations, got {x.dtype}")
     check_layout("quantize_rows", "x", x, unit=(-1,))
-    if use_triton(x) and x.shape[-1] <= 1 << 16:
+    if use_triton(x) and x.shape[-1] <= MAX_ROW:
         return quantize_rows_triton(x)
     return quantize_rows_reference(x)
 
@@ -166,16 +174,34 @@ def _check(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None) -> Non
         raise ValueError(f"fp8 linear: bias must be ({n},), got {tuple(bias.shape)}")
 
 
+def _product(rows: Rows, weight: Fp8Weight, bias: torch.Tensor | None, dtype: torch.dtype, gemm: bool) -> torch.Tensor:
+    """The product of quantised rows and a quantised weight, ``(..., n)`` in ``dtype``: with
+    ``gemm`` one ``torch._scaled_mm`` (bf16; the scales in its epilogue), else from the
+    dequantised operands in float32, rounded once."""
+    q, s = rows
+    n, k = weight.data.shape
+    if not gemm:
+        out = (q.float() * s) @ weight.dequantize().t()
+        if bias is not None:
+            out = out + bias.float()
+        return out.to(dtype)
+    out = torch._scaled_mm(
+        q.reshape(-1, k),
+        weight.data.t(),  # column-major (k, n)
+        scale_a=s.reshape(-1, 1),
+        scale_b=weight.scale.view(1, n),
+        bias=None if bias is None else bias.to(torch.bfloat16),
+        out_dtype=torch.bfloat16,
+    )
+    return out.view(*q.shape[:-1], n)
+
+
 def linear_emulated(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`linear`'s product from the dequantised operands: ``x`` quantised per row as the
     GEMM's input is, both sides dequantised, multiplied in float32, the bias added, rounded once
     to x's dtype. What runs where the FP8 GEMM cannot (and its reference)."""
     _check(x, weight, bias)
-    q, s = quantize_rows(x)
-    out = (q.float() * s) @ weight.dequantize().t()
-    if bias is not None:
-        out = out + bias.float()
-    return out.to(x.dtype)
+    return _product(quantize_rows(x), weight, bias, x.dtype, gemm=False)
 
 
 def runs_scaled_mm(x: torch.Tensor) -> bool:
@@ -196,14 +222,25 @@ def linear(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None = None)
     if not runs_scaled_mm(x):
         return linear_emulated(x, weight, bias)
     _check(x, weight, bias)
-    q, s = quantize_rows(x.reshape(-1, x.shape[-1]))
-    n = weight.data.shape[0]
-    out = torch._scaled_mm(
-        q,
-        weight.data.t(),  # column-major (k, n)
-        scale_a=s,
-        scale_b=weight.scale.view(1, n),
-        bias=None if bias is None else bias.to(torch.bfloat16),
-        out_dtype=torch.bfloat16,
-    )
-    return out.view(*x.shape[:-1], n)
+    return _product(quantize_rows(x), weight, bias, x.dtype, gemm=True)
+
+
+def linear_rows(
+    rows: Rows, weight: Fp8Weight, bias: torch.Tensor | None = None, dtype: torch.dtype = torch.bfloat16
+) -> torch.Tensor:
+    """:func:`linear` of activations already quantised per row (:data:`Rows`, e.g. a norm's
+    ``fp8=True`` output) -> ``(..., n)`` in ``dtype``, the dtype of the activations they came
+    from: the same product as :func:`linear` of those activations, with no quantise kernel of its
+    own.
+
+    Raises:
+        ValueError: rows that are not e4m3 with float32 (..., 1) scales, or shapes that do not fit.
+    """
+    q, s = rows
+    if q.dtype != E4M3 or s.dtype != torch.float32 or s.shape != (*q.shape[:-1], 1):
+        raise ValueError(
+            f"linear_rows: rows must be e4m3 (..., k) values with float32 (..., 1) scales (quantize_rows's output), "
+            f"got {q.dtype} {tuple(q.shape)} and {s.dtype} {tuple(s.shape)}"
+        )
+    _check(torch.empty((*q.shape[:-1], q.shape[-1]), dtype=dtype, device="meta"), weight, bias)
+    return _product(rows, weight, bias, dtype, gemm=dtype == torch.bfloat16 and supported(q.device))

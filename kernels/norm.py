@@ -25,10 +25,13 @@ the input dtype, the normalised row scaled and shifted in float32 and rounded on
 
 from __future__ import annotations
 
+from typing import Literal, overload
+
 import torch
 import torch.nn.functional as F
 
 from flashrt.kernels.backend import dependent_launch, tl, triton, use_triton
+from flashrt.kernels.fp8 import Rows, quantize_rows
 from flashrt.kernels.matmul import PartialProduct
 
 Delta = torch.Tensor | PartialProduct | None
@@ -104,16 +107,17 @@ if triton is not None:
 
     @triton.jit
     def _add_norm_kernel(
-        x, delta, delta_bias, gate, weight, bias, h_out, y_out, rows, delta_rows, slot_rows, width, eps,
+        x, delta, delta_bias, gate, weight, bias, h_out, y_out, scale_out, rows, delta_rows, slot_rows, width, eps,
         s_w, s_b, s_wn, s_gn, s_db,
         HAS_DELTA: tl.constexpr, DELTA_BIAS: tl.constexpr, GATED: tl.constexpr, NORM: tl.constexpr,
         LAYER: tl.constexpr, SHIFT: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, SPLITS: tl.constexpr,
-        GDC: tl.constexpr,
+        FP8: tl.constexpr, GDC: tl.constexpr,
     ):  # fmt: skip
         # Row r belongs to slot r // slot_rows: the gate's and the (modulated) weight's row of it
         # (strides s_gn, s_wn; 0 where every slot shares one). SPLITS > 0: delta is that many
         # float32 partial products (SPLITS, rows, width), summed in order. DELTA_BIAS: the
-        # projection's bias, added to delta in float32 before x.
+        # projection's bias, added to delta in float32 before x. FP8: y leaves as e4m3 values and
+        # a float32 scale a row (scale_out), those of kernels.fp8.quantize_rows of the rounded y.
         inputs_ready(GDC)
         row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
         slot = (row // slot_rows)[:, None]
@@ -154,7 +158,14 @@ if triton is not None:
                     y = hf * r[:, None] * w + b
                 else:  # Gemma-style: the normalised row rounded before the weight
                     y = (hf * r[:, None]).to(h.dtype).to(tl.float32) * w
-            tl.store(y_out + off, y.to(h.dtype), mask=m)
+            if FP8:  # quantize_rows of y as it would be stored: rounded to x's dtype first
+                yr = _rounded(y, h.dtype)
+                amax = tl.maximum(tl.max(tl.abs(yr), axis=1), 1e-12)  # fp8.MIN_AMAX
+                q = yr * tl.div_rn(tl.full([ROWS], 448.0, tl.float32), amax)[:, None]  # rounded as torch divides
+                tl.store(y_out + off, tl.minimum(tl.maximum(q, -448.0), 448.0).to(tl.float8e4nv), mask=m)
+                tl.store(scale_out + row, tl.div_rn(amax, tl.full([ROWS], 448.0, tl.float32)), mask=row < rows)
+            else:
+                tl.store(y_out + off, y.to(h.dtype), mask=m)
 
 
 def _add_norm_triton(
@@ -167,10 +178,13 @@ def _add_norm_triton(
     gate: torch.Tensor | None = None,
     layer: bool = False,
     delta_bias: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+    fp8: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None] | tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """Launch the kernel: ``weight`` None skips the norm (``y`` None); ``bias`` is LayerNorm's
     (``layer``) or the adaptive shift; a 2-D ``weight``/``bias``/``gate`` has a row per slot of x;
-    ``delta_bias`` (W,) is added to delta (LayerNorm's residual)."""
+    ``delta_bias`` (W,) is added to delta (LayerNorm's residual). ``fp8``: ``y`` comes as
+    ``(q, scale)``, e4m3 ``(..., W)`` and float32 ``(..., 1)``: :func:`flashrt.kernels.fp8.quantize_rows`
+    of the ``y`` it would otherwise return."""
     width = x.shape[-1]
     x = x.contiguous()
     splits = 0
@@ -179,7 +193,8 @@ def _add_norm_triton(
     if gate is not None and gate.stride(-1) != 1:  # the kernel steps through a gate row one float at a time
         gate = gate.contiguous()
     h = x if delta is None else torch.empty_like(x)
-    y = None if weight is None else torch.empty_like(x)
+    y = None if weight is None else torch.empty_like(x, dtype=torch.float8_e4m3fn if fp8 else x.dtype)
+    scale = torch.empty((*x.shape[:-1], 1), dtype=torch.float32, device=x.device) if fp8 else None
     rows = x.numel() // width if width else 0
     slots = (weight if weight is not None and weight.dim() == 2 else gate if gate is not None else x).shape[0]
     if rows:
@@ -196,6 +211,7 @@ def _add_norm_triton(
             stand_in if bias is None else bias,
             h,
             stand_in if y is None else y,
+            stand_in if scale is None else scale,
             rows,
             1 if delta is None else delta.numel() // width // max(splits, 1),
             max(1, rows // slots),
@@ -215,11 +231,12 @@ def _add_norm_triton(
             ROWS=per_program,
             BLOCK=block,
             SPLITS=splits,
+            FP8=fp8,
             num_warps=4 if block <= 2048 else 8,
             enable_fp_fusion=gate is None,  # no fused multiply-add: torch rounds the gated product, then the sum
             **dependent_launch(x.device, programs),
         )
-    return h, y
+    return (h, (y, scale)) if fp8 else (h, y)
 
 
 def add_rms_norm_triton(
@@ -256,18 +273,39 @@ def _check(name: str, x: torch.Tensor, delta: Delta, *params: torch.Tensor) -> N
             raise ValueError(f"{name}: weight and bias must be ({x.shape[-1]},), got {tuple(p.shape)}")
 
 
+@overload
 def add_rms_norm(
-    x: torch.Tensor, delta: Delta, weight: torch.Tensor, eps: float = 1e-6
-) -> tuple[torch.Tensor, torch.Tensor]:
+    x: torch.Tensor, delta: Delta, weight: torch.Tensor, eps: float = ..., *, fp8: Literal[False] = ...
+) -> tuple[torch.Tensor, torch.Tensor]: ...
+@overload
+def add_rms_norm(
+    x: torch.Tensor, delta: Delta, weight: torch.Tensor, eps: float = ..., *, fp8: Literal[True]
+) -> tuple[torch.Tensor, Rows]: ...
+@overload
+def add_rms_norm(
+    x: torch.Tensor, delta: Delta, weight: torch.Tensor, eps: float = ..., *, fp8: bool
+) -> tuple[torch.Tensor, torch.Tensor | Rows]: ...
+def add_rms_norm(
+    x: torch.Tensor, delta: Delta, weight: torch.Tensor, eps: float = 1e-6, *, fp8: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | Rows]:
     """``(h, y)``: the residual sum ``h = x + delta`` (``x`` if ``delta`` is None) and its RMSNorm
     times ``weight``, over the last dimension. x ``(..., W)``, delta x's shape or its trailing
     dims, of x's dtype, or a :class:`~flashrt.kernels.matmul.PartialProduct` over x's rows
-    (added in float32, rounded once); weight ``(W,)``."""
+    (added in float32, rounded once); weight ``(W,)``. ``fp8``: ``y`` as :data:`Rows`."""
     _check("add_rms_norm", x, delta, weight)
     tensors = (x, weight) if delta is None else (x, _tensor(delta), weight)
     if use_triton(*tensors) and x.dtype == weight.dtype:
-        return add_rms_norm_triton(x, delta, weight, eps)
-    return add_rms_norm_reference(x, delta, weight, eps)
+        return _add_norm_triton(x, delta, weight, None, eps, fp8=fp8)
+    return _rows(add_rms_norm_reference(x, delta, weight, eps), fp8)
+
+
+def _rows(
+    hy: tuple[torch.Tensor, torch.Tensor], fp8: bool
+) -> tuple[torch.Tensor, torch.Tensor] | tuple[torch.Tensor, Rows]:
+    """A reference's ``(h, y)``, with ``fp8`` its ``y`` quantised per row (what the fused kernel
+    computes in one pass)."""
+    h, y = hy
+    return (h, quantize_rows(y)) if fp8 else (h, y)
 
 
 def _tensor(delta: torch.Tensor | PartialProduct) -> torch.Tensor:
@@ -275,6 +313,39 @@ def _tensor(delta: torch.Tensor | PartialProduct) -> torch.Tensor:
     return delta.parts if isinstance(delta, PartialProduct) else delta
 
 
+@overload
+def add_layer_norm(
+    x: torch.Tensor,
+    delta: torch.Tensor | None,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    eps: float = ...,
+    delta_bias: torch.Tensor | None = ...,
+    *,
+    fp8: Literal[False] = ...,
+) -> tuple[torch.Tensor, torch.Tensor]: ...
+@overload
+def add_layer_norm(
+    x: torch.Tensor,
+    delta: torch.Tensor | None,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    eps: float = ...,
+    delta_bias: torch.Tensor | None = ...,
+    *,
+    fp8: Literal[True],
+) -> tuple[torch.Tensor, Rows]: ...
+@overload
+def add_layer_norm(
+    x: torch.Tensor,
+    delta: torch.Tensor | None,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    eps: float = ...,
+    delta_bias: torch.Tensor | None = ...,
+    *,
+    fp8: bool,
+) -> tuple[torch.Tensor, torch.Tensor | Rows]: ...
 def add_layer_norm(
     x: torch.Tensor,
     delta: torch.Tensor | None,
@@ -282,14 +353,17 @@ def add_layer_norm(
     bias: torch.Tensor,
     eps: float = 1e-6,
     delta_bias: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    *,
+    fp8: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | Rows]:
     """``(h, y)``: the residual sum ``h = x + delta`` (``x`` if ``delta`` is None) and its
     LayerNorm with ``weight`` and ``bias``, over the last dimension. Shapes as :func:`add_rms_norm`
     (a tensor delta).
 
     ``delta_bias`` ``(W,)``: the bias of the projection that made ``delta``, left out of it and
     added here (``x + (delta + delta_bias)`` in float32, rounded once). cuBLAS's matmul with a bias
-    epilogue picks slower kernels at SigLIP's shapes than the plain one (docs/PERFORMANCE.md)."""
+    epilogue picks slower kernels at SigLIP's shapes than the plain one (docs/PERFORMANCE.md).
+    ``fp8``: ``y`` as :data:`Rows`."""
     if isinstance(delta, PartialProduct):
         raise TypeError("add_layer_norm: delta must be a tensor; add_rms_norm takes a PartialProduct")
     _check("add_layer_norm", x, delta, weight, bias)
@@ -302,8 +376,8 @@ def add_layer_norm(
         )
     tensors = [t for t in (x, delta, weight, bias, delta_bias) if t is not None]
     if use_triton(*tensors) and x.dtype == weight.dtype == bias.dtype:
-        return add_layer_norm_triton(x, delta, weight, bias, eps, delta_bias)
-    return add_layer_norm_reference(x, delta, weight, bias, eps, delta_bias)
+        return _add_norm_triton(x, delta, weight, bias, eps, layer=True, delta_bias=delta_bias, fp8=fp8)
+    return _rows(add_layer_norm_reference(x, delta, weight, bias, eps, delta_bias), fp8)
 
 
 def _check_modulation(name: str, x: torch.Tensor, t: torch.Tensor, what: str, rows: int) -> None:
@@ -319,9 +393,45 @@ def _check_modulation(name: str, x: torch.Tensor, t: torch.Tensor, what: str, ro
         )
 
 
+@overload
 def add_ada_rms_norm(
-    x: torch.Tensor, delta: Delta, gate: torch.Tensor | None, mod: torch.Tensor, eps: float = 1e-6
-) -> tuple[torch.Tensor, torch.Tensor]:
+    x: torch.Tensor,
+    delta: Delta,
+    gate: torch.Tensor | None,
+    mod: torch.Tensor,
+    eps: float = ...,
+    *,
+    fp8: Literal[False] = ...,
+) -> tuple[torch.Tensor, torch.Tensor]: ...
+@overload
+def add_ada_rms_norm(
+    x: torch.Tensor,
+    delta: Delta,
+    gate: torch.Tensor | None,
+    mod: torch.Tensor,
+    eps: float = ...,
+    *,
+    fp8: Literal[True],
+) -> tuple[torch.Tensor, Rows]: ...
+@overload
+def add_ada_rms_norm(
+    x: torch.Tensor,
+    delta: Delta,
+    gate: torch.Tensor | None,
+    mod: torch.Tensor,
+    eps: float = ...,
+    *,
+    fp8: bool,
+) -> tuple[torch.Tensor, torch.Tensor | Rows]: ...
+def add_ada_rms_norm(
+    x: torch.Tensor,
+    delta: Delta,
+    gate: torch.Tensor | None,
+    mod: torch.Tensor,
+    eps: float = 1e-6,
+    *,
+    fp8: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | Rows]:
     """pi0.5's adaptive RMSNorm after its gated residual add: ``(h, y)`` with
     ``h = x + delta * gate`` (``x`` if ``delta`` is None) and
     ``y = rms_norm(h) * mod[0] + mod[1]``.
@@ -334,6 +444,7 @@ def add_ada_rms_norm(
         mod: ``(3, W)`` or ``(N, 3, W)`` float32: ``1 + scale``, ``shift`` and gate
             (``policies.layers.AdaRMSNorm.modulation``); rows 0 and 1 are read.
         eps: the norm's epsilon.
+        fp8: ``y`` as :data:`Rows`.
     """
     _check("add_ada_rms_norm", x, delta)
     shape = None if delta is None else _tensor(delta).shape[-x.dim() :]
@@ -344,8 +455,8 @@ def add_ada_rms_norm(
         _check_modulation("add_ada_rms_norm", x, gate, "gate", 1)
     tensors = [t for t in (x, None if delta is None else _tensor(delta), gate, mod) if t is not None]
     if use_triton(*tensors):
-        return _add_norm_triton(x, delta, mod.select(-2, 0), mod.select(-2, 1), eps, gate=gate)
-    return add_ada_rms_norm_reference(x, delta, gate, mod, eps)
+        return _add_norm_triton(x, delta, mod.select(-2, 0), mod.select(-2, 1), eps, gate=gate, fp8=fp8)
+    return _rows(add_ada_rms_norm_reference(x, delta, gate, mod, eps), fp8)
 
 
 def add_partials(x: torch.Tensor, delta: PartialProduct) -> torch.Tensor:

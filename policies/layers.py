@@ -32,6 +32,7 @@ from flashrt.kernels import (
     rms_norm_geglu,
     rms_norm_qkv_rope,
 )
+from flashrt.kernels.fp8 import Rows as Fp8Rows
 from flashrt.kernels.grouped_attention import Rope, Segment
 from flashrt.kernels.matmul import linear_partials, splits
 from flashrt.kernels.rotary import split_heads
@@ -355,26 +356,30 @@ class DecoderLayer(nn.Module):
         defer: bool,
         rope: Rope | None,
     ) -> tuple[torch.Tensor, Deferred | None, torch.Tensor | None, torch.Tensor | None]:
-        """:meth:`forward_deferred` with the four projections as FP8 GEMMs (:func:`flashrt.kernels.fp8.linear`):
-        the norms, rotary, attention, GeGLU and residual adds are the bf16 path's kernels, unfused
-        from the projections; the down projection is deferred as a tensor."""
+        """:meth:`forward_deferred` with the four projections as FP8 GEMMs
+        (:func:`flashrt.kernels.fp8.linear`): each norm and the GeGLU quantise their output per
+        row in their own kernel (``fp8=True``) for the projection after them; rotary, attention
+        and the residual adds are the bf16 path's kernels; the down projection is deferred as a
+        tensor."""
         w = self.fp8.get()
         delta = None if pending is None else pending.delta
         if self.adaptive:
             if mod is None:
                 raise ValueError("an adaptive (time-conditioned) layer needs its modulation `mod`")
             m1, m2 = mod.unbind(-3)
-            x, y = add_ada_rms_norm(x, delta, None if pending is None else pending.gate, m1, self.norm1.eps)
+            gate = None if pending is None else pending.gate
+            x, y = add_ada_rms_norm(x, delta, gate, m1, self.norm1.eps, fp8=True)
         else:
-            x, y = add_rms_norm(x, delta, self.norm1.scale(), self.norm1.eps)
-        a, k, v = self._attend(fp8.linear(y, w["qkv"]), pos0, inv_freq, context, own_mask, kv_out, rope)
+            x, y = add_rms_norm(x, delta, self.norm1.scale(), self.norm1.eps, fp8=True)
+        qkv = fp8.linear_rows(y, w["qkv"], dtype=x.dtype)
+        a, k, v = self._attend(qkv, pos0, inv_freq, context, own_mask, kv_out, rope)
         o = fp8.linear(a, w["o"])
         if self.adaptive:
-            x, y = add_ada_rms_norm(x, o, m1.select(-2, 2), m2, self.norm2.eps)
+            x, y = add_ada_rms_norm(x, o, m1.select(-2, 2), m2, self.norm2.eps, fp8=True)
         else:
-            x, y = add_rms_norm(x, o, self.norm2.scale(), self.norm2.eps)
-        down = Deferred(fp8.linear(gelu_mul(fp8.linear(y, w["gate_up"])), w["down"]),
-                        m2.select(-2, 2) if self.adaptive else None)  # fmt: skip
+            x, y = add_rms_norm(x, o, self.norm2.scale(), self.norm2.eps, fp8=True)
+        h = gelu_mul(fp8.linear_rows(y, w["gate_up"], dtype=x.dtype), fp8=True)
+        down = Deferred(fp8.linear_rows(h, w["down"], dtype=x.dtype), m2.select(-2, 2) if self.adaptive else None)
         return (x, down, k, v) if defer else (settle(x, down), None, k, v)
 
     def _attend(
@@ -406,9 +411,12 @@ class Biased(NamedTuple):
     bias: torch.Tensor | None
 
 
-def layer_norm(norm: nn.LayerNorm, x: torch.Tensor, delta: Biased) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(x + delta, norm(x + delta))`` (one fused kernel on CUDA)."""
-    return add_layer_norm(x, delta.product, norm.weight, norm.bias, norm.eps, delta.bias)
+def layer_norm(
+    norm: nn.LayerNorm, x: torch.Tensor, delta: Biased, fp8: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | Fp8Rows]:
+    """``(x + delta, norm(x + delta))`` (one fused kernel on CUDA); with ``fp8`` the norm's output
+    quantised per row in that kernel (:data:`flashrt.kernels.fp8.Rows`)."""
+    return add_layer_norm(x, delta.product, norm.weight, norm.bias, norm.eps, delta.bias, fp8=fp8)
 
 
 class VisionBlock(nn.Module):
@@ -444,17 +452,29 @@ class VisionBlock(nn.Module):
         ``patches`` tokens. With :meth:`quantize_fp8` the projections are FP8 GEMMs (biases and
         the GELU in bf16, apart)."""
         n, t, w = x.shape
-        q8 = None if self.fp8 is None else self.fp8.get()
+        if self.fp8 is not None:
+            return self._forward_fp8(x, delta, patches)
         x, h = layer_norm(self.norm1, x, delta)
-        qkv = linear(h, self.qkv.weight, self.qkv.bias) if q8 is None else fp8.linear(h, q8["qkv"], self.qkv.bias)
-        q, k, v = qkv.view(n * t // patches, patches, 3, self.heads, w // self.heads).permute(2, 0, 3, 1, 4)
-        attn = attention(q, k, v, None).reshape(n, t, w)  # (N*C, P, heads, w/heads) -> (N, C*P, W)
-        o = linear(attn, self.o.weight) if q8 is None else fp8.linear(attn, q8["o"])
-        x, h = layer_norm(self.norm2, x, Biased(o, self.o.bias))
-        if q8 is None:
-            return x, Biased(linear(linear_gelu(h, self.fc1.weight, self.fc1.bias), self.fc2.weight), self.fc2.bias)
-        f = F.gelu(fp8.linear(h, q8["fc1"], self.fc1.bias), approximate="tanh")
+        qkv = linear(h, self.qkv.weight, self.qkv.bias)
+        attn = self._attention(qkv, n, t, w, patches)
+        x, h = layer_norm(self.norm2, x, Biased(linear(attn, self.o.weight), self.o.bias))
+        return x, Biased(linear(linear_gelu(h, self.fc1.weight, self.fc1.bias), self.fc2.weight), self.fc2.bias)
+
+    def _forward_fp8(self, x: torch.Tensor, delta: Biased, patches: int) -> tuple[torch.Tensor, Biased]:
+        """:meth:`forward` with the four projections as FP8 GEMMs: each norm quantises its output
+        per row in its own kernel (``fp8=True``); the biases and the GELU run in bf16, apart."""
+        n, t, w = x.shape
+        q8 = self.fp8.get()
+        x, h = layer_norm(self.norm1, x, delta, fp8=True)
+        attn = self._attention(fp8.linear_rows(h, q8["qkv"], self.qkv.bias, dtype=x.dtype), n, t, w, patches)
+        x, h = layer_norm(self.norm2, x, Biased(fp8.linear(attn, q8["o"]), self.o.bias), fp8=True)
+        f = F.gelu(fp8.linear_rows(h, q8["fc1"], self.fc1.bias, dtype=x.dtype), approximate="tanh")
         return x, Biased(fp8.linear(f, q8["fc2"]), self.fc2.bias)
+
+    def _attention(self, qkv: torch.Tensor, n: int, t: int, w: int, patches: int) -> torch.Tensor:
+        """Full attention within each image of ``patches`` tokens: (N, C*P, 3W) -> (N, C*P, W)."""
+        q, k, v = qkv.view(n * t // patches, patches, 3, self.heads, w // self.heads).permute(2, 0, 3, 1, 4)
+        return attention(q, k, v, None).reshape(n, t, w)  # (N*C, P, heads, w/heads) -> (N, C*P, W)
 
 
 def sincos(t: torch.Tensor, dim: int, min_period: float = 4e-3, max_period: float = 4.0) -> torch.Tensor:

@@ -1,9 +1,14 @@
 """FP8 projections (kernels.fp8): the quantisation on any machine, the e4m3 GEMM on an FP8 GPU."""
 
+import functools
+
 import pytest
 import torch
 
+import flashrt.kernels.activation as ka
 import flashrt.kernels.fp8 as f8
+import flashrt.kernels.norm as kn
+from tests.kernels.kernel_devices import DEVICES, dtypes, spy_launches
 
 HALF_ULP = 2.0**-4
 """e4m3 keeps 3 mantissa bits: rounding moves a normal value by at most 2^-4 of itself."""
@@ -156,3 +161,75 @@ def test_scaled_mm_path_matches_the_emulation_and_captures():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, eager)
+
+
+def same_rows(got: f8.Rows, want: f8.Rows, exact: bool) -> None:
+    """Quantised rows equal: scales bit for bit; e4m3 values bit for bit (``exact``), or as
+    Triton's CPU interpreter converts them: within one e4m3 step, except that a value rounding
+    up to a power of two comes out as half of it there (the interpreter drops the carry into
+    the exponent: 126.95 gives 64, not 128)."""
+    (q, s), (rq, rs) = got, want
+    assert q.dtype == rq.dtype == f8.E4M3 and q.shape == rq.shape and s.shape == rs.shape
+    assert torch.equal(s, rs)
+    if exact:
+        assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8))
+        return
+    a, b = q.float(), rq.float()
+    step = torch.maximum(b.abs() / 8, torch.full_like(b, SUBNORMAL_STEP))
+    dropped_carry = (a == b / 2) & (torch.frexp(b).mantissa.abs() == 0.5)
+    assert (((a - b).abs() <= step * (1 + 1e-6)) | dropped_carry).all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_norms_and_gelu_mul_quantise_what_they_would_return_in_their_kernel(device, monkeypatch):
+    """``fp8=True``: the RMSNorm, pi0.5's adaptive RMSNorm, the LayerNorm and the GeGLU kernels
+    return :func:`fp8.quantize_rows` of the output they return without it (the residual sums
+    unchanged), one kernel each. On the GPU bit for bit, in bf16 and float32; in Triton's CPU
+    interpreter, which rounds some values to e4m3 wrongly, the scales bit for bit and the values
+    within one e4m3 step. Mutation: rows compared with their neighbours' outputs fail."""
+    if device == "cpu":
+        for module in (kn, ka):
+            monkeypatch.setattr(module, "use_triton", lambda *tensors: True)
+    launches = spy_launches(monkeypatch, kn, "_add_norm_kernel")
+    exact = device == "cuda"
+    g = torch.Generator(device=device).manual_seed(8)
+    for dtype in dtypes(device):
+        n, t, w = 3, 21, 256
+        x = (1 + torch.randn(n, t, w, device=device, generator=g)).to(dtype)
+        delta = torch.randn(n, t, w, device=device, generator=g).to(dtype)
+        weight, bias = ((1 + 0.1 * torch.randn(w, device=device, generator=g)).to(dtype) for _ in range(2))
+        gate, mod = torch.rand(n, w, device=device, generator=g), 1 + torch.randn(n, 3, w, device=device, generator=g)
+        norms = {
+            "rms": functools.partial(kn.add_rms_norm, x, delta, weight, 1e-6),
+            "ada": functools.partial(kn.add_ada_rms_norm, x, delta, gate, mod, 1e-6),
+            "layer": functools.partial(kn.add_layer_norm, x, delta, weight, bias, 1e-5),
+        }
+        for name, norm in norms.items():
+            before = len(launches)
+            h8, rows = norm(fp8=True)
+            assert len(launches) == before + 1, name  # one kernel: the norm quantises its own output
+            h, y = norm()
+            assert torch.equal(h8, h), name
+            same_rows(rows, f8.quantize_rows_reference(y), exact)
+            with pytest.raises(AssertionError):
+                same_rows(rows, f8.quantize_rows_reference(y.roll(1, dims=-2)), exact)
+        for shape in ((5, 600), (2, 3, 2048)):  # m = 300 (a ragged block) and 1024
+            gate_up = torch.randn(*shape, device=device, generator=g).to(dtype)
+            out = ka.gelu_mul(gate_up)
+            rows = ka.gelu_mul(gate_up, fp8=True)
+            same_rows(rows, f8.quantize_rows_reference(out), exact)
+            with pytest.raises(AssertionError):
+                same_rows(rows, f8.quantize_rows_reference(out.roll(1, dims=-2)), exact)
+
+
+def test_linear_rows_is_linear_of_the_rows_activations():
+    """:func:`fp8.linear_rows` of :func:`fp8.quantize_rows` of x is :func:`fp8.linear` of x, bit
+    for bit (the same product); rows of another format are refused with the fix."""
+    g = torch.Generator().manual_seed(9)
+    x, w, b = torch.randn(2, 5, 64, generator=g), torch.randn(32, 64, generator=g) / 8, torch.randn(32, generator=g)
+    q = f8.quantize_weight(w)
+    assert torch.equal(f8.linear_rows(f8.quantize_rows(x), q, b, dtype=x.dtype), f8.linear(x, q, b))
+    with pytest.raises(ValueError, match="quantize_rows's output"):
+        f8.linear_rows((x, torch.ones(2, 5, 1)), q)
+    with pytest.raises(ValueError, match="must match the weight's k"):
+        f8.linear_rows(f8.quantize_rows(torch.randn(3, 48)), q, dtype=torch.float32)

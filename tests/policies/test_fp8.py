@@ -22,7 +22,7 @@ import torch
 
 from flashrt import kernels
 from flashrt.kernels import fp8
-from flashrt.policies import FlowPolicy, deployment_digest, load
+from flashrt.policies import FlowPolicy, deployment_digest, layers, load
 from flashrt.policies.model import PRECISIONS
 from tests.policies.golden import KINDS, TOL, convert, golden, load_converted, prefix
 
@@ -77,15 +77,44 @@ def within(errors: dict[str, float], bounds: dict[str, float]) -> bool:
 
 
 class Products:
-    """Stands in for :func:`flashrt.kernels.fp8.linear` (install with ``monkeypatch``): each call
-    runs the FP8 product and records its worst output channel's error against the exact product
-    of the same input with the unquantised weight (float32), or with ``exact`` returns that
-    exact product instead (in the input's dtype)."""
+    """Stands in for :func:`flashrt.kernels.fp8.linear` (:meth:`install`): each call runs the FP8
+    product and records its worst output channel's error against the exact product of the same
+    input with the unquantised weight (float32), or with ``exact`` returns that exact product
+    instead (in the input's dtype).
+
+    The projections after a norm or the GeGLU take rows their producer quantised in its own kernel
+    (``fp8=True``, then :func:`fp8.linear_rows`). Installed, those producers hand on their
+    unquantised output instead, as ``(output, None)``, and :func:`fp8.linear_rows` of it runs as
+    :func:`fp8.linear` of that output: the same product bit for bit
+    (``tests/kernels/test_fp8.py``), now with its input at hand."""
+
+    PRODUCERS = ("add_rms_norm", "add_ada_rms_norm", "add_layer_norm", "gelu_mul")
 
     def __init__(self, model: FlowPolicy, exact: bool = False) -> None:
         self.real, self.exact, self.worst, self.calls = fp8.linear, exact, 0.0, 0
         blocks = (*model.vision, *model.prefix, *model.expert)
         self.weights = {b.fp8.get()[n].data.data_ptr(): b.fp8.sources[n] for b in blocks for n in b.fp8.names}
+
+    def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch.setattr(fp8, "linear", self)
+        monkeypatch.setattr(fp8, "linear_rows", self.rows)
+        for name in self.PRODUCERS:
+            monkeypatch.setattr(layers, name, self.producer(getattr(layers, name)))
+
+    @staticmethod
+    def producer(real):
+        def unquantised(*args, fp8: bool = False, **kw):
+            out = real(*args, **kw)
+            if not fp8:
+                return out
+            return (out[0], (out[1], None)) if isinstance(out, tuple) else (out, None)
+
+        return unquantised
+
+    def rows(self, rows, weight: fp8.Fp8Weight, bias: torch.Tensor | None = None, dtype=None) -> torch.Tensor:
+        x, none = rows
+        assert none is None, "rows from a producer the stand-in does not replace"
+        return self(x, weight, bias)
 
     def __call__(self, x: torch.Tensor, weight: fp8.Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
         self.calls += 1
@@ -111,7 +140,7 @@ def checked_fixture_errors(model: FlowPolicy, kind: str, monkeypatch: pytest.Mon
     """:func:`fixture_errors` and, as ``"gemm"``, the worst projection (:class:`Products`)."""
     products = Products(model)
     with monkeypatch.context() as m:
-        m.setattr(fp8, "linear", products)
+        products.install(m)
         errors = fixture_errors(model, kind)
     assert products.calls > 0
     return errors | {"gemm": products.worst}
@@ -146,7 +175,7 @@ def test_fp8_layers_with_exact_products_reproduce_lerobot_exactly(converted, mon
     model = converted[kind].set_precision("fp8")
     try:
         products = Products(model, exact=True)
-        monkeypatch.setattr(fp8, "linear", products)
+        products.install(monkeypatch)
         errors = fixture_errors(model, kind)
         assert products.calls > 0 and max(errors.values()) <= TOL, errors
     finally:
@@ -301,13 +330,13 @@ def test_pi0_full_size_fp8_is_within_the_bounds_of_bf16(monkeypatch):
     bf16 = full_size_run(model)
     model.set_precision("fp8")
     products = Products(model)
-    monkeypatch.setattr(fp8, "linear", products)
+    products.install(monkeypatch)
     errors = full_size_errors(full_size_run(model), bf16) | {"gemm": products.worst}
     print(f"pi0 full size: fp8 vs bf16 {errors}; bf16 vs float32 {full_size_errors(bf16, exact)}")
     assert within(errors, FULL_BOUNDS), errors
     assert min(errors.values()) > 1e-3
     double_key_scale(model)
     products = Products(model)
-    monkeypatch.setattr(fp8, "linear", products)
+    products.install(monkeypatch)
     wrong = full_size_errors(full_size_run(model), bf16) | {"gemm": products.worst}
     assert not within(wrong, FULL_BOUNDS), wrong
