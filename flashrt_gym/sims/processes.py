@@ -168,15 +168,24 @@ class Processes:
         try:
             return self._conns[w].recv()
         except (EOFError, OSError):
-            p = self._procs[w]
-            p.join(timeout=5)
-            raise RuntimeError(f"shard {w}'s worker process died (exit code {p.exitcode})") from None
+            raise self._died(w) from None
+
+    def _died(self, w: int) -> RuntimeError:
+        """Shard ``w``'s worker is gone: end the others too (their replies to the call in flight
+        would be read as the next call's) and name the cause."""
+        p = self._procs[w]
+        p.join(timeout=5)
+        self.close()
+        return RuntimeError(
+            f"shard {w}'s worker process died (exit code {p.exitcode}); every worker has been ended: make a new "
+            "simulator (and restore its slots from a capsule)"
+        )
 
     def _named(self, w: int, error: BaseException) -> BaseException:
         """``error`` of shard ``w``, its message prefixed with the shard and its slots (slot indices
         in the message are the shard's own, counted from its first slot)."""
         a, b = int(self.bounds[w]), int(self.bounds[w + 1]) - 1
-        message = f"shard {w} (slots {a} to {b}; indices below count from {a}): {error}"
+        message = f"shard {w} (slots {a} to {b}; a slot index in its message counts from {a}): {error}"
         try:
             named = type(error)(message)
         except Exception:  # an exception type that takes other arguments
@@ -185,12 +194,12 @@ class Processes:
         return named
 
     def _send(self, w: int, call: tuple[str, tuple]) -> None:
+        if not self._finalizer.alive:
+            raise RuntimeError("this simulator's worker processes have been ended (close()); make a new one")
         try:
             self._conns[w].send(call)
         except (BrokenPipeError, OSError):
-            p = self._procs[w]
-            p.join(timeout=5)
-            raise RuntimeError(f"shard {w}'s worker process died (exit code {p.exitcode})") from None
+            raise self._died(w) from None
 
     def _all(self, method: str, *args: Any) -> list[Any]:
         """``method(*args)`` on every shard; the results in shard order."""

@@ -2,7 +2,6 @@
 the env it steps, autoresets and restores the bytes one process gives; a shard's failures are named.
 (Meta-World's shards, and set_state's all-or-nothing across shards, are in test_metaworld.py.)"""
 
-import functools
 
 import numpy as np
 import pytest
@@ -106,18 +105,21 @@ def test_a_shards_error_is_named_and_a_dead_worker_is_reported():
         Processes(host_tabletop_shard, 2, 3)
     with pytest.raises(ValueError, match="num_slots must be an int >= 1"):
         Processes(host_tabletop_shard, 0, 1)
-    refusing = Processes(functools.partial(_refusing), 4, 2)
+    refusing = Processes(_refusing, 4, 2)
     try:
-        with pytest.raises(ValueError, match=r"shard 1 \(slots 2 to 3; indices below count from 2\): slot 0 cannot"):
+        named = r"shard 1 \(slots 2 to 3; a slot index in its message counts from 2\): slot 0 cannot"
+        with pytest.raises(ValueError, match=named):
             refusing.reset(np.array([False, True, True, False]))
         refusing.reset(np.array([False, True, False, True]))  # the shards still answer in order
         refusing._procs[1].kill()
         refusing._procs[1].join()
-        with pytest.raises(RuntimeError, match="shard 1's worker process died"):
+        with pytest.raises(RuntimeError, match="shard 1's worker process died .* every worker has been ended"):
             refusing.success()
+        assert not any(p.is_alive() for p in refusing._procs)  # shard 0's reply is not left to be misread
+        with pytest.raises(RuntimeError, match="have been ended"):
+            refusing.instruction()
     finally:
         refusing.close()
-    assert not any(p.is_alive() for p in refusing._procs)
 
 
 def _refusing(num_slots: int, first_slot: int = 0) -> Refusing:
@@ -126,7 +128,7 @@ def _refusing(num_slots: int, first_slot: int = 0) -> Refusing:
 
 def test_a_shard_that_fails_to_start_names_itself():
     with pytest.raises(ValueError, match=r"shard 0 \(slots 0 to 0.*block must be an int >= 1"):
-        Processes(functools.partial(_bad_shard), 2, 2)
+        Processes(_bad_shard, 2, 2)
 
 
 def _bad_shard(num_slots: int, first_slot: int = 0) -> HostTabletop:
