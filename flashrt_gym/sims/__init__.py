@@ -24,6 +24,7 @@ _LAZY = {
     "MujocoPush": "flashrt_gym.sims.push.mujoco_cpu",
     "WarpPush": "flashrt_gym.sims.push.mujoco_warp",
     "MetaWorld": "flashrt_gym.sims.metaworld_cpu",
+    "Processes": "flashrt_gym.sims.processes",
     "PushConfig": "flashrt_gym.sims.push.task",
     "PushTask": "flashrt_gym.sims.push.task",
     "SCENE": "flashrt_gym.sims.push.task",
@@ -77,9 +78,7 @@ def metaworld(
     processes = min(processes, num_envs)
     if processes == 1:
         return make(num_envs)
-    from flashrt_gym.sims.processes import Processes
-
-    return Processes(make, num_envs, processes)
+    return __getattr__("Processes")(make, num_envs, processes)
 
 
 __all__ = ["metaworld", "mujoco_push", "warp_push", *_LAZY]

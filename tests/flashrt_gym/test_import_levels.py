@@ -25,6 +25,7 @@ LEVELS: dict[str, int] = {
     "flashrt_gym.sims": 0,
     "flashrt_gym.sims.metaworld_tasks": 0,
     "flashrt_gym.sims.metaworld_state": 0,
+    "flashrt_gym.sims.processes": 0,
     "flashrt_gym.sims.push.warp_api": 0,
     "flashrt_gym.sims.tabletop.config": 0,
     "flashrt_gym.sims.tabletop.triton_kernels": 0,
