@@ -2,7 +2,6 @@
 the env it steps, autoresets and restores the bytes one process gives; a shard's failures are named.
 (Meta-World's shards, and set_state's all-or-nothing across shards, are in test_metaworld.py.)"""
 
-
 import numpy as np
 import pytest
 
