@@ -9,8 +9,6 @@ product, its largest magnitude, the scale and the e4m3 values.
 
 from __future__ import annotations
 
-from typing import Literal, overload
-
 import torch
 import torch.nn.functional as F
 
@@ -87,12 +85,6 @@ def gelu_mul_fp8_triton(gate_up: torch.Tensor) -> Rows:
     return q, scale
 
 
-@overload
-def gelu_mul(gate_up: torch.Tensor, *, fp8: Literal[False] = ...) -> torch.Tensor: ...
-@overload
-def gelu_mul(gate_up: torch.Tensor, *, fp8: Literal[True]) -> Rows: ...
-@overload
-def gelu_mul(gate_up: torch.Tensor, *, fp8: bool) -> torch.Tensor | Rows: ...
 def gelu_mul(gate_up: torch.Tensor, *, fp8: bool = False) -> torch.Tensor | Rows:
     """``gelu_tanh(gate) * up`` for ``gate_up (..., 2m)`` (gate first) -> ``(..., m)``; with
     ``fp8``, that output quantised per row (:func:`flashrt.kernels.fp8.quantize_rows`'s

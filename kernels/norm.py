@@ -25,8 +25,6 @@ the input dtype, the normalised row scaled and shifted in float32 and rounded on
 
 from __future__ import annotations
 
-from typing import Literal, overload
-
 import torch
 import torch.nn.functional as F
 
@@ -273,18 +271,6 @@ def _check(name: str, x: torch.Tensor, delta: Delta, *params: torch.Tensor) -> N
             raise ValueError(f"{name}: weight and bias must be ({x.shape[-1]},), got {tuple(p.shape)}")
 
 
-@overload
-def add_rms_norm(
-    x: torch.Tensor, delta: Delta, weight: torch.Tensor, eps: float = ..., *, fp8: Literal[False] = ...
-) -> tuple[torch.Tensor, torch.Tensor]: ...
-@overload
-def add_rms_norm(
-    x: torch.Tensor, delta: Delta, weight: torch.Tensor, eps: float = ..., *, fp8: Literal[True]
-) -> tuple[torch.Tensor, Rows]: ...
-@overload
-def add_rms_norm(
-    x: torch.Tensor, delta: Delta, weight: torch.Tensor, eps: float = ..., *, fp8: bool
-) -> tuple[torch.Tensor, torch.Tensor | Rows]: ...
 def add_rms_norm(
     x: torch.Tensor, delta: Delta, weight: torch.Tensor, eps: float = 1e-6, *, fp8: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor | Rows]:
@@ -313,39 +299,6 @@ def _tensor(delta: torch.Tensor | PartialProduct) -> torch.Tensor:
     return delta.parts if isinstance(delta, PartialProduct) else delta
 
 
-@overload
-def add_layer_norm(
-    x: torch.Tensor,
-    delta: torch.Tensor | None,
-    weight: torch.Tensor,
-    bias: torch.Tensor,
-    eps: float = ...,
-    delta_bias: torch.Tensor | None = ...,
-    *,
-    fp8: Literal[False] = ...,
-) -> tuple[torch.Tensor, torch.Tensor]: ...
-@overload
-def add_layer_norm(
-    x: torch.Tensor,
-    delta: torch.Tensor | None,
-    weight: torch.Tensor,
-    bias: torch.Tensor,
-    eps: float = ...,
-    delta_bias: torch.Tensor | None = ...,
-    *,
-    fp8: Literal[True],
-) -> tuple[torch.Tensor, Rows]: ...
-@overload
-def add_layer_norm(
-    x: torch.Tensor,
-    delta: torch.Tensor | None,
-    weight: torch.Tensor,
-    bias: torch.Tensor,
-    eps: float = ...,
-    delta_bias: torch.Tensor | None = ...,
-    *,
-    fp8: bool,
-) -> tuple[torch.Tensor, torch.Tensor | Rows]: ...
 def add_layer_norm(
     x: torch.Tensor,
     delta: torch.Tensor | None,
@@ -393,36 +346,6 @@ def _check_modulation(name: str, x: torch.Tensor, t: torch.Tensor, what: str, ro
         )
 
 
-@overload
-def add_ada_rms_norm(
-    x: torch.Tensor,
-    delta: Delta,
-    gate: torch.Tensor | None,
-    mod: torch.Tensor,
-    eps: float = ...,
-    *,
-    fp8: Literal[False] = ...,
-) -> tuple[torch.Tensor, torch.Tensor]: ...
-@overload
-def add_ada_rms_norm(
-    x: torch.Tensor,
-    delta: Delta,
-    gate: torch.Tensor | None,
-    mod: torch.Tensor,
-    eps: float = ...,
-    *,
-    fp8: Literal[True],
-) -> tuple[torch.Tensor, Rows]: ...
-@overload
-def add_ada_rms_norm(
-    x: torch.Tensor,
-    delta: Delta,
-    gate: torch.Tensor | None,
-    mod: torch.Tensor,
-    eps: float = ...,
-    *,
-    fp8: bool,
-) -> tuple[torch.Tensor, torch.Tensor | Rows]: ...
 def add_ada_rms_norm(
     x: torch.Tensor,
     delta: Delta,
