@@ -8,7 +8,8 @@ call of :class:`~flashrt_gym.simulator.ExternalSimulator`. Slot-indexed argument
 joined in slot order, and every shard works at once. A slot's computation is its own, so the bytes
 are those of one process for any count (a test holds that). As SB3's ``SubprocVecEnv`` does, the
 workers start by ``spawn`` (nothing of the parent's threads, CUDA or OpenGL contexts is inherited)
-and talk through pipes.
+and talk through pipes. As with ``SubprocVecEnv``, a script that makes one keeps its top-level
+work under ``if __name__ == "__main__":`` (a spawned worker imports the script's module).
 
 ``set_state`` stays all-or-nothing across shards: the rows of the slots it writes are read first,
 and where a shard refuses its rows, the shards that wrote theirs get their old rows back before
