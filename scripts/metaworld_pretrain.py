@@ -13,7 +13,9 @@
    the physics split over ``--eval-processes`` worker processes). Writes ``<out>/pretrain/step-N/`` weights and
    ``<out>/pretrain/evals.json``.
 3. Choose the checkpoint of the highest mean validation success over the tasks (the earliest of
-   equals), then measure it once on the test starts; ``<out>/base.json`` holds both, per task.
+   equals), with ``--ceiling c`` the highest at or below ``c`` (a base policy meant to be clearly
+   imperfect, for steering to have room; if every checkpoint is above, the lowest), then measure
+   it once on the test starts; ``<out>/base.json`` holds both, per task.
 
     python scripts/metaworld_pretrain.py --episodes 300 --workers 16 --eval-processes 16 \\
         --out runs/metaworld_mt10 steps=6000
@@ -97,6 +99,23 @@ def collect_into(folder: Path, task: MetaWorldTask, args: argparse.Namespace) ->
     return args.episodes - need
 
 
+def choose(evals: list[dict[str, Any]], ceiling: float | None) -> dict[str, Any]:
+    """The checkpoint of the highest mean validation success (the earliest of equals); with a
+    ``ceiling``, the highest at or below it, or if none is, the lowest.
+
+    Args:
+        evals: the pipeline's checkpoint evaluations (``success_mean`` each), in step order.
+        ceiling: the highest validation mean a chosen checkpoint may have, or None.
+
+    Returns:
+        The chosen evaluation.
+    """
+    under = [e for e in evals if ceiling is None or e["success_mean"] <= ceiling]
+    if not under:
+        return min(evals, key=lambda e: e["success_mean"])
+    return max(under, key=lambda e: e["success_mean"])  # max keeps the first of equals: the earliest
+
+
 def main(argv: list[str] | None = None) -> dict:
     """Collect, pretrain, choose and test as the module says; ``argv`` as on the command line.
 
@@ -117,6 +136,9 @@ def main(argv: list[str] | None = None) -> dict:
         "--eval-processes", type=int, default=os.cpu_count() or 1, help="worker processes of the evaluations' physics"
     )
     ap.add_argument("--collect-only", action="store_true")
+    ap.add_argument(
+        "--ceiling", type=float, default=None, help="choose the best checkpoint whose validation mean is at most this"
+    )
     ap.add_argument("--out", type=Path, default=Path("runs/metaworld_pretrain"))
     ap.add_argument("overrides", nargs="*", help="configs/metaworld_pretrain.yaml keys as key=value")
     args = ap.parse_args(argv)
@@ -158,12 +180,13 @@ def main(argv: list[str] | None = None) -> dict:
     pretrain_policy.load_shards, pretrain_policy.evaluate = load_shards, validation
     pretrain_policy.instructions = lambda task: task.instructions
     summary = pretrain_policy.run(cfg)
-    best = max(summary["evals"], key=lambda e: e["success_mean"])  # the first of equals: the earliest
+    best = choose(summary["evals"], args.ceiling)
     task = seen["task"]
     test = score(best["weights"], task, cfg, seen["device"], TEST_SEED)
     result = {
         "tasks": list(task.tasks),
         "episodes_per_task": cfg.eval_episodes,
+        "ceiling": args.ceiling,
         "chosen": {
             "step": best["step"],
             "weights": best["weights"],

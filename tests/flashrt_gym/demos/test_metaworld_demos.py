@@ -165,3 +165,13 @@ def test_collect_pretrain_choose_and_test_end_to_end(tmp_path, monkeypatch):
     data, task = load_shards(tmp_path / "demos")
     assert task == TASK and episodes_per_task(data, 2).tolist() == [2, 2]
     monkeypatch.delitem(sys.modules, "metaworld_pretrain")
+
+
+def test_a_ceiling_chooses_the_best_checkpoint_at_or_below_it(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    from metaworld_pretrain import choose
+
+    evals = [{"step": s, "success_mean": m} for s, m in ((1, 0.25), (2, 0.75), (3, 0.5), (4, 0.5))]
+    assert choose(evals, None)["step"] == 2
+    assert choose(evals, 0.6)["step"] == 3  # the earliest of equals
+    assert choose(evals, 0.2)["step"] == 1  # none at or below: the lowest
