@@ -304,8 +304,15 @@ class FlashRTVectorEnv(VectorEnv):
         return tuple(self.engine.policy.state.image[:, 0].cpu().numpy())
 
     def close_extras(self, **kwargs: Any) -> None:
-        """Release the buffers; the env refuses every later call."""
+        """Release the buffers, and the simulator's own resources where it has a ``close()`` (the
+        worker processes of :class:`~flashrt_gym.sims.processes.Processes`); the env refuses
+        every later call."""
+        engine = self.engine
+        sim = None if engine is None else engine.sim if engine.mirror is None else engine.mirror.host
+        close = getattr(sim, "close", None)
         self.engine = self.starts = None  # type: ignore[assignment]
+        if callable(close):
+            close()
 
     # -- capsule verbs -------------------------------------------------------------------------
     def snapshot(self, slots: Sequence[int] | None = None) -> Capsule:

@@ -134,3 +134,11 @@ def _bad_shard(num_slots: int, first_slot: int = 0) -> HostTabletop:
     if first_slot == 0:
         raise ValueError("block must be an int >= 1 (a deliberately bad argument)")
     return HostTabletop(num_slots)
+
+
+def test_closing_the_env_ends_its_workers():
+    env = FlashRTVectorEnv(2, device="cpu", simulator=lambda n: Processes(host_tabletop_shard, n, 2))
+    procs = env.engine.mirror.host._procs
+    assert all(p.is_alive() for p in procs)
+    env.close()
+    assert not any(p.is_alive() for p in procs)
