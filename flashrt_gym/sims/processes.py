@@ -21,6 +21,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -29,6 +30,19 @@ import numpy as np
 Factory = Callable[..., Any]
 """``make(num_slots, first_slot=first)``: a shard's simulator, whose slot ``j`` is the whole
 simulator's slot ``first + j`` (a factory that maps slots onto tasks needs the offset)."""
+
+
+@dataclass(frozen=True)
+class PositionFree:
+    """A :data:`Factory` of a simulator whose slots do not depend on where they stand (every slot
+    runs the same task): ``make(num_slots)`` called without the shard's first slot, e.g.
+    ``PositionFree(functools.partial(MujocoPush, cfg=cfg))``. Picklable where ``make`` is."""
+
+    make: Callable[[int], Any]
+
+    def __call__(self, num_slots: int, first_slot: int = 0) -> Any:
+        return self.make(num_slots)
+
 
 ATTRIBUTES = (
     "instructions",
@@ -45,7 +59,13 @@ ATTRIBUTES = (
 
 def _serve(conn: Connection, make: Factory, num_slots: int, first_slot: int) -> None:
     """A worker's loop: make the shard, report its attributes and identity, then run the calls
-    ``(method, args)`` it is sent and send back ``("ok", result)`` or ``("error", exception)``."""
+    ``(method, args)`` it is sent and send back ``("ok", result)`` or ``("error", exception)``.
+    Torch's intra-op pool is one thread here: the processes are the parallelism, and workers each
+    spinning a pool the size of the machine oversubscribe the cores (a shard's torch renderer ran
+    10x slower so)."""
+    import torch
+
+    torch.set_num_threads(1)
     try:
         sim = make(num_slots, first_slot=first_slot)
         conn.send(("ok", ({name: getattr(sim, name) for name in ATTRIBUTES}, sim.identity())))
