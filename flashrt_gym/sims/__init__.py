@@ -25,6 +25,7 @@ _LAZY = {
     "WarpPush": "flashrt_gym.sims.push.mujoco_warp",
     "MetaWorld": "flashrt_gym.sims.metaworld_cpu",
     "Processes": "flashrt_gym.sims.processes",
+    "PositionFree": "flashrt_gym.sims.processes",
     "PushConfig": "flashrt_gym.sims.push.task",
     "PushTask": "flashrt_gym.sims.push.task",
     "SCENE": "flashrt_gym.sims.push.task",
@@ -38,10 +39,17 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def mujoco_push(num_envs: int, cfg: Any = None, threads: int = 1) -> Any:
+def mujoco_push(num_envs: int, cfg: Any = None, threads: int = 1, processes: int = 1) -> Any:
     """``FlashRT-MuJoCoPush``'s simulator: :class:`MujocoPush` of ``num_envs`` slots (``cfg``: a
-    :class:`PushConfig` or a mapping of its fields) stepped by ``threads`` CPU threads."""
-    return __getattr__("MujocoPush")(num_envs, cfg, threads)
+    :class:`PushConfig` or a mapping of its fields) stepped by ``threads`` CPU threads; with
+    ``processes`` > 1 the slots split over that many worker processes of ``threads`` threads each,
+    at most one a slot (:class:`~flashrt_gym.sims.processes.Processes`: the step's Python holds the
+    GIL). The same bytes for any counts."""
+    make = functools.partial(__getattr__("MujocoPush"), cfg=cfg, threads=threads)
+    processes = min(processes, num_envs)
+    if processes == 1:
+        return make(num_envs)
+    return __getattr__("Processes")(__getattr__("PositionFree")(make), num_envs, processes)
 
 
 def warp_push(

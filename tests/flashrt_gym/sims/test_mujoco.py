@@ -183,6 +183,21 @@ def test_threads_step_the_same_bytes():
             MujocoPush(1, threads=bad)
 
 
+def test_processes_step_the_same_bytes():
+    """Split over two worker processes (``mujoco_push(processes=2)``), the mid-push snapshot
+    continues byte for byte as it does in this one."""
+    from flashrt_gym.sims import mujoco_push
+
+    _, rows, chunks, want = mid_push()
+    sharded = mujoco_push(3, processes=2)
+    try:
+        assert sharded.processes == 2
+        sharded.set_state(None, rows)
+        assert same(want, drive(sharded, chunks))
+    finally:
+        sharded.close()
+
+
 @pytest.mark.parametrize(
     "sig",
     [

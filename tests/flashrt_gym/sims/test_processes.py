@@ -6,9 +6,11 @@ import numpy as np
 import pytest
 
 from flashrt_gym import FlashRTVectorEnv
-from flashrt_gym.sims.processes import Processes
+from flashrt_gym.sims.processes import PositionFree, Processes
 from flashrt_gym.simulator import ExternalSimulator
-from tests.flashrt_gym.support.host_tabletop import HostTabletop, host_tabletop_shard
+from tests.flashrt_gym.support.host_tabletop import HostTabletop
+
+SHARD = PositionFree(HostTabletop)
 
 
 def trajectory(env: FlashRTVectorEnv, steps: int, seed: int) -> list[bytes]:
@@ -22,7 +24,7 @@ def trajectory(env: FlashRTVectorEnv, steps: int, seed: int) -> list[bytes]:
 
 @pytest.fixture(scope="module")
 def sharded():
-    sim = Processes(host_tabletop_shard, 5, 2)
+    sim = Processes(SHARD, 5, 2)
     yield sim
     sim.close()
 
@@ -59,7 +61,7 @@ def test_through_the_env_two_processes_give_one_processs_bytes(sharded):
         def run_ticks(self, actions):
             return super().run_ticks(np.roll(np.asarray(actions), 1, axis=0))
 
-    wrong = Swapped(host_tabletop_shard, 5, 2)
+    wrong = Swapped(SHARD, 5, 2)
     try:
         env = FlashRTVectorEnv(5, device="cpu", simulator=lambda n: wrong, max_episode_steps=3)
         env.reset(seed=4)
@@ -101,9 +103,9 @@ class Refusing(HostTabletop):
 
 def test_a_shards_error_is_named_and_a_dead_worker_is_reported():
     with pytest.raises(ValueError, match=r"processes must be an int in \[1, num_slots=2\]"):
-        Processes(host_tabletop_shard, 2, 3)
+        Processes(SHARD, 2, 3)
     with pytest.raises(ValueError, match="num_slots must be an int >= 1"):
-        Processes(host_tabletop_shard, 0, 1)
+        Processes(SHARD, 0, 1)
     refusing = Processes(_refusing, 4, 2)
     try:
         named = r"shard 1 \(slots 2 to 3; a slot index in its message counts from 2\): slot 0 cannot"
@@ -137,7 +139,7 @@ def _bad_shard(num_slots: int, first_slot: int = 0) -> HostTabletop:
 
 
 def test_closing_the_env_ends_its_workers():
-    env = FlashRTVectorEnv(2, device="cpu", simulator=lambda n: Processes(host_tabletop_shard, n, 2))
+    env = FlashRTVectorEnv(2, device="cpu", simulator=lambda n: Processes(SHARD, n, 2))
     procs = env.engine.mirror.host._procs
     assert all(p.is_alive() for p in procs)
     env.close()

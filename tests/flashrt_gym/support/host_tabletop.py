@@ -87,9 +87,3 @@ class HostTabletop:
             raise ValueError(f"set_state: {len(rows)} rows for {len(idx)} slots")
         kept = torch.where(self._keep, rows, self.bufs.slot_arena[idx])
         self.bufs.slot_arena[idx] = kept
-
-
-def host_tabletop_shard(num_slots: int, first_slot: int = 0) -> HostTabletop:
-    """A :class:`HostTabletop` as a shard of :class:`flashrt_gym.sims.processes.Processes` (its slots
-    do not depend on their position, so ``first_slot`` changes nothing)."""
-    return HostTabletop(num_slots)
