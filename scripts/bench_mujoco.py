@@ -13,8 +13,8 @@ times); ``--warmup`` steps (the first one captures the step) then ``--steps`` co
 ``step_torch`` calls. Reported: the GPU memory the env holds after its capture (torch's
 allocator and Warp's memory pool, over what was held before it), sustained chunks/s (the run's
 wall time over its steps), mean, p50, p99 and max ms per step (CUDA events between consecutive
-steps), the slots reset. The MuJoCo-CPU envs (physics on one CPU thread, and on a thread per
-core) run until ``--cpu-budget-s`` seconds have passed. For MuJoCo Warp also: graph against
+steps), the slots reset. The MuJoCo-CPU envs (physics on one CPU thread, on a thread per
+core, and split over a worker process per core) run until ``--cpu-budget-s`` seconds have passed. For MuJoCo Warp also: graph against
 eager (the largest relative difference of every output and physics value, one step at a time
 from a shared capsule, through autoresets, at sizes up to ``--eager-max``; beside it two eager
 envs, in lockstep and running freely: MuJoCo Warp does not repeat a run bit for bit across env
@@ -62,7 +62,7 @@ from tqdm import tqdm
 
 from flashrt.runtime import BufferSet, atomic_write
 from flashrt_gym import FlashRTVectorEnv
-from flashrt_gym.sims import SCENE, MujocoPush, PushConfig, WarpPush, load_scene
+from flashrt_gym.sims import SCENE, MujocoPush, PushConfig, WarpPush, load_scene, mujoco_push
 from flashrt_gym.sims.push.mujoco_warp import ITERATIONS, STATE_SIG, state_offsets
 from flashrt_gym.sims.push.warp_api import warp_api
 
@@ -80,6 +80,7 @@ SIMULATORS = {
     "mujoco_warp_split_loop": functools.partial(WarpPush, capture="warp", loop=True),  # one recorded step
     "mujoco_cpu": MujocoPush,  # one CPU thread
     "mujoco_cpu_all_cores": functools.partial(MujocoPush, threads=os.cpu_count() or 1),
+    "mujoco_cpu_processes": functools.partial(mujoco_push, processes=os.cpu_count() or 1),  # one process a core
     "tabletop": None,
 }
 
