@@ -307,12 +307,9 @@ class FlashRTVectorEnv(VectorEnv):
         """Release the buffers, and the simulator's own resources where it has a ``close()`` (the
         worker processes of :class:`~flashrt_gym.sims.processes.Processes`); the env refuses
         every later call."""
-        engine = self.engine
-        sim = None if engine is None else engine.sim if engine.mirror is None else engine.mirror.host
-        close = getattr(sim, "close", None)
-        self.engine = self.starts = None  # type: ignore[assignment]
-        if callable(close):
-            close()
+        engine, self.engine, self.starts = self.engine, None, None  # type: ignore[assignment]
+        if engine is not None:
+            engine.close()
 
     # -- capsule verbs -------------------------------------------------------------------------
     def snapshot(self, slots: Sequence[int] | None = None) -> Capsule:

@@ -238,10 +238,10 @@ def _add_norm_triton(
 
 
 def add_rms_norm_triton(
-    x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
-) -> tuple[torch.Tensor, torch.Tensor]:
+    x: torch.Tensor, delta: Delta, weight: torch.Tensor, eps: float, fp8: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | Rows]:
     """The Triton kernel (called by :func:`add_rms_norm` on CUDA)."""
-    return _add_norm_triton(x, delta, weight, None, eps)
+    return _add_norm_triton(x, delta, weight, None, eps, fp8=fp8)
 
 
 def add_layer_norm_triton(
@@ -251,9 +251,10 @@ def add_layer_norm_triton(
     bias: torch.Tensor,
     eps: float,
     delta_bias: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    fp8: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | Rows]:
     """The Triton kernel (called by :func:`add_layer_norm` on CUDA)."""
-    return _add_norm_triton(x, delta, weight, bias, eps, layer=True, delta_bias=delta_bias)
+    return _add_norm_triton(x, delta, weight, bias, eps, layer=True, delta_bias=delta_bias, fp8=fp8)
 
 
 def _check(name: str, x: torch.Tensor, delta: Delta, *params: torch.Tensor) -> None:
@@ -281,7 +282,7 @@ def add_rms_norm(
     _check("add_rms_norm", x, delta, weight)
     tensors = (x, weight) if delta is None else (x, _tensor(delta), weight)
     if use_triton(*tensors) and x.dtype == weight.dtype:
-        return _add_norm_triton(x, delta, weight, None, eps, fp8=fp8)
+        return add_rms_norm_triton(x, delta, weight, eps, fp8)
     return _rows(add_rms_norm_reference(x, delta, weight, eps), fp8)
 
 
@@ -329,7 +330,7 @@ def add_layer_norm(
         )
     tensors = [t for t in (x, delta, weight, bias, delta_bias) if t is not None]
     if use_triton(*tensors) and x.dtype == weight.dtype == bias.dtype:
-        return _add_norm_triton(x, delta, weight, bias, eps, layer=True, delta_bias=delta_bias, fp8=fp8)
+        return add_layer_norm_triton(x, delta, weight, bias, eps, delta_bias, fp8)
     return _rows(add_layer_norm_reference(x, delta, weight, bias, eps, delta_bias), fp8)
 
 

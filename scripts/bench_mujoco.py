@@ -6,21 +6,21 @@ Env step, at each ``--sizes`` (default 1, 256, 4096 slots), for each simulator (
 the step's one graph; split around Warp's own graph with the solver's conditional loop,
 deterministic and not, the fast one also at a solver bound of 5 iterations instead of 10 (the
 loop runs as long as its slowest world: ``scripts/solver_iterations.py``), and with the ticks as
-while loops around one recorded step; MuJoCo's C library; the tabletop): an env on the
-GPU (the shipped tiny policy, ``max_episode_steps`` 40, noise actions uniform in the box, so
-episodes end by time limit or success and slots autoreset inside the steps at their natural
-times); ``--warmup`` steps (the first one captures the step) then ``--steps`` consecutive
-``step_torch`` calls. Reported: the GPU memory the env holds after its capture (torch's
-allocator and Warp's memory pool, over what was held before it), sustained chunks/s (the run's
-wall time over its steps), mean, p50, p99 and max ms per step (CUDA events between consecutive
-steps), the slots reset. The MuJoCo-CPU envs (physics on one CPU thread, on a thread per
-core, and split over a worker process per core) run until ``--cpu-budget-s`` seconds have passed. For MuJoCo Warp also: graph against
-eager (the largest relative difference of every output and physics value, one step at a time
-from a shared capsule, through autoresets, at sizes up to ``--eager-max``; beside it two eager
-envs, in lockstep and running freely: MuJoCo Warp does not repeat a run bit for bit across env
-instances), the kernels of one replay of the step graph (count, span, the top kernels by
-marginal time) and any warning of the runtime's guarded graph (none: the step is one launch with
-its body a conditional node).
+while loops around one recorded step; MuJoCo's C library; the tabletop): an env on the GPU (the
+shipped tiny policy, ``max_episode_steps`` 40, noise actions uniform in the box, so episodes end
+by time limit or success and slots autoreset inside the steps at their natural times);
+``--warmup`` steps (the first one captures the step) then ``--steps`` consecutive ``step_torch``
+calls. Reported: the GPU memory the env holds after its capture (torch's allocator and Warp's
+memory pool, over what was held before it), sustained chunks/s (the run's wall time over its
+steps), mean, p50, p99 and max ms per step (CUDA events between consecutive steps), the slots
+reset. The MuJoCo-CPU envs (physics on one CPU thread, on a thread per core, and split over a
+worker process per core) run until ``--cpu-budget-s`` seconds have passed. For MuJoCo Warp also:
+graph against eager (the largest relative difference of every output and physics value, one step
+at a time from a shared capsule, through autoresets, at sizes up to ``--eager-max``; beside it
+two eager envs, in lockstep and running freely: MuJoCo Warp does not repeat a run bit for bit
+across env instances), the kernels of one replay of the step graph (count, span, the top kernels
+by marginal time) and any warning of the runtime's guarded graph (none: the step is one launch
+with its body a conditional node).
 
 Physics tick alone, at each size: ``WarpPush.run_ticks`` of one tick (control, load,
 ``frame_skip`` MuJoCo Warp steps, store, rewards) recorded in a torch CUDA graph, and replayed

@@ -281,12 +281,11 @@ def evaluate(
     Returns:
         ``{task name: success rate}`` and ``"mean"``, their average.
     """
-    slots = episodes * len(task.tasks)
     env = FlashRTVectorEnv(
-        slots,
+        episodes * len(task.tasks),
         action_mode="residual",
         autoreset=False,
-        simulator=functools.partial(task.simulator, threads=threads, processes=min(processes, slots)),
+        simulator=functools.partial(task.simulator, threads=threads, processes=processes),
         weights=weights,
         device=device,
         n_action_steps=n_action_steps,

@@ -182,6 +182,14 @@ class Engine:
     def device(self) -> torch.device:
         return self.bufs.device
 
+    def close(self) -> None:
+        """Release the simulator's own resources where it has a ``close()`` (the worker processes
+        of :class:`~flashrt_gym.sims.processes.Processes`): the external one behind the mirror,
+        or the in-graph one."""
+        close = getattr(self.sim if self.mirror is None else self.mirror.host, "close", None)
+        if callable(close):
+            close()
+
     # -- programs (plain callables over the buffers) ------------------------------------------
     def _inputs(self, image: torch.Tensor, proprio: torch.Tensor) -> None:
         """The simulator's camera images and proprioception into the policy's inputs (its state

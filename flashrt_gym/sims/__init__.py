@@ -46,10 +46,7 @@ def mujoco_push(num_envs: int, cfg: Any = None, threads: int = 1, processes: int
     at most one a slot (:class:`~flashrt_gym.sims.processes.Processes`: the step's Python holds the
     GIL). The same bytes for any counts."""
     make = functools.partial(__getattr__("MujocoPush"), cfg=cfg, threads=threads)
-    processes = min(processes, num_envs)
-    if processes == 1:
-        return make(num_envs)
-    return __getattr__("Processes")(__getattr__("PositionFree")(make), num_envs, processes)
+    return _sharded(__getattr__("PositionFree")(make), num_envs, processes)
 
 
 def warp_push(
@@ -83,9 +80,15 @@ def metaworld(
     make = functools.partial(
         __getattr__("MetaWorld"), tasks=tasks, threads=threads, image_size=image_size, camera=camera, block=block
     )
+    return _sharded(make, num_envs, processes)
+
+
+def _sharded(make: Any, num_envs: int, processes: int) -> Any:
+    """``make``'s simulator of ``num_envs`` slots in this process, or split over ``processes``
+    worker processes (at most one a slot; :class:`~flashrt_gym.sims.processes.Processes`)."""
     processes = min(processes, num_envs)
     if processes == 1:
-        return make(num_envs)
+        return make(num_envs, first_slot=0)
     return __getattr__("Processes")(make, num_envs, processes)
 
 

@@ -168,22 +168,21 @@ class Processes:
         self._finalizer()
 
     # -- plumbing ------------------------------------------------------------------------------
-    def _gather(self, shards: list[int], calls: list[tuple[str, tuple] | None]) -> list[Any]:
-        """Send each shard its call (None: only read its start-up report), then collect the results
-        in shard order: all shards work at once. Every answer is read before the first failure is
-        raised (so no reply is left in a pipe), with the shard and its slots named."""
+    def _exchange(self, shards: list[int], calls: list[tuple[str, tuple] | None]) -> list[tuple[str, Any]]:
+        """Send each shard its call (None: only read its start-up report), then read every answer,
+        ``(status, value)`` in shard order: all shards work at once, and no reply is left in a pipe."""
         for w, call in zip(shards, calls, strict=True):
             if call is not None:
                 self._send(w, call)
-        results, failure = [], None
-        for w in shards:
-            status, value = self._receive(w)
-            if status == "error" and failure is None:
-                failure = self._named(w, value)
-            results.append(value)
-        if failure is not None:
-            raise failure
-        return results
+        return [self._receive(w) for w in shards]
+
+    def _gather(self, shards: list[int], calls: list[tuple[str, tuple] | None]) -> list[Any]:
+        """:meth:`_exchange`'s results; the first failure raised, with its shard and slots named."""
+        answers = self._exchange(shards, calls)
+        for w, (status, value) in zip(shards, answers, strict=True):
+            if status == "error":
+                raise self._named(w, value)
+        return [value for _, value in answers]
 
     def _receive(self, w: int) -> tuple[str, Any]:
         try:
@@ -329,11 +328,10 @@ class Processes:
             return
         before = self.get_state(s)
         shards = list(parts)
-        for w in shards:
-            self._send(w, ("set_state", (s[parts[w]] - self.bounds[w], rows[parts[w]])))
-        answers = {w: self._receive(w) for w in shards}
-        failed = [w for w in shards if answers[w][0] == "error"]
+        calls = [("set_state", (s[parts[w]] - self.bounds[w], rows[parts[w]])) for w in shards]
+        answers = self._exchange(shards, calls)
+        failed = [(w, value) for w, (status, value) in zip(shards, answers, strict=True) if status == "error"]
         if failed:
-            wrote = [w for w in shards if w not in failed]
+            wrote = [w for w in shards if w not in dict(failed)]
             self._gather(wrote, [("set_state", (s[parts[w]] - self.bounds[w], before[parts[w]])) for w in wrote])
-            raise self._named(failed[0], answers[failed[0]][1])
+            raise self._named(*failed[0])

@@ -213,6 +213,9 @@ def test_norms_and_gelu_mul_quantise_what_they_would_return_in_their_kernel(devi
             same_rows(rows, f8.quantize_rows_reference(y), exact)
             with pytest.raises(AssertionError):
                 same_rows(rows, f8.quantize_rows_reference(y.roll(1, dims=-2)), exact)
+        view = torch.cat([x, x], -1)[..., :w]  # rows at a stride of 2w, as a slice of a wider buffer
+        _, rows = kn.add_rms_norm(view, delta, weight, 1e-6, fp8=True)
+        same_rows(rows, f8.quantize_rows_reference(kn.add_rms_norm(x, delta, weight, 1e-6)[1]), exact)
         for shape in ((5, 600), (2, 3, 2048)):  # m = 300 (a ragged block) and 1024
             gate_up = torch.randn(*shape, device=device, generator=g).to(dtype)
             out = ka.gelu_mul(gate_up)
@@ -220,6 +223,8 @@ def test_norms_and_gelu_mul_quantise_what_they_would_return_in_their_kernel(devi
             same_rows(rows, f8.quantize_rows_reference(out), exact)
             with pytest.raises(AssertionError):
                 same_rows(rows, f8.quantize_rows_reference(out.roll(1, dims=-2)), exact)
+            strided = torch.cat([gate_up, gate_up], -1)[..., : shape[-1]]
+            same_rows(ka.gelu_mul(strided, fp8=True), f8.quantize_rows_reference(out), exact)
 
 
 def test_linear_rows_is_linear_of_the_rows_activations():

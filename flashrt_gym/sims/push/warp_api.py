@@ -197,9 +197,7 @@ class KeptAllocator:
             device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
         self.blocks: list[torch.Tensor] = []
-        self.pool: torch.cuda.MemPool | None = None
-        if device.type == "cuda":
-            self.pool = kept_pool(device.index)
+        self.pool = kept_pool(device.index) if device.type == "cuda" else None
 
     @contextlib.contextmanager
     def serving(self, stream: torch.cuda.Stream | None) -> Iterator[None]:
