@@ -163,14 +163,25 @@ def test_scaled_mm_path_matches_the_emulation_and_captures():
     assert torch.equal(out, eager)
 
 
-def same_rows(got: f8.Rows, want: f8.Rows, exact: bool) -> None:
-    """Quantised rows equal: scales bit for bit; e4m3 values bit for bit (``exact``), or as
-    Triton's CPU interpreter converts them: within one e4m3 step, except that a value rounding
-    up to a power of two comes out as half of it there (the interpreter drops the carry into
-    the exponent: 126.95 gives 64, not 128)."""
+NORM_SCALE_RTOL = 1e-6
+"""How far a float32 norm's e4m3 scales may be from those of its own float32 output on the GPU
+(a few float32 ulps). The norm's sum over the row is reduced in another order in the kernel
+variant that quantises (its layouts differ), so its float32 output can move by an ulp or two:
+measured on an H100 at ``449250d``, 12 of 63 rows' scales 1.1 to 1.3e-7 apart, every e4m3 value
+equal. In bf16, the dtype FP8 layers run in, that ulp is rounded away: bit for bit there."""
+
+
+def same_rows(got: f8.Rows, want: f8.Rows, exact: bool, scale_rtol: float = 0.0) -> None:
+    """Quantised rows equal: scales bit for bit (or within ``scale_rtol``); e4m3 values bit for
+    bit (``exact``), or within one e4m3 step, which covers Triton's CPU interpreter too: a value
+    rounding up to a power of two comes out as half of it there (the interpreter drops the carry
+    into the exponent: 126.95 gives 64, not 128)."""
     (q, s), (rq, rs) = got, want
     assert q.dtype == rq.dtype == f8.E4M3 and q.shape == rq.shape and s.shape == rs.shape
-    assert torch.equal(s, rs)
+    if scale_rtol:
+        torch.testing.assert_close(s, rs, rtol=scale_rtol, atol=0.0)
+    else:
+        assert torch.equal(s, rs)
     if exact:
         assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8))
         return
@@ -184,9 +195,11 @@ def same_rows(got: f8.Rows, want: f8.Rows, exact: bool) -> None:
 def test_norms_and_gelu_mul_quantise_what_they_would_return_in_their_kernel(device, monkeypatch):
     """``fp8=True``: the RMSNorm, pi0.5's adaptive RMSNorm, the LayerNorm and the GeGLU kernels
     return :func:`fp8.quantize_rows` of the output they return without it (the residual sums
-    unchanged), one kernel each. On the GPU bit for bit, in bf16 and float32; in Triton's CPU
-    interpreter, which rounds some values to e4m3 wrongly, the scales bit for bit and the values
-    within one e4m3 step. Mutation: rows compared with their neighbours' outputs fail."""
+    unchanged), one kernel each. On the GPU bit for bit in bf16, and the GeGLU in float32 too; a
+    float32 norm's scales within :data:`NORM_SCALE_RTOL` and its values within one e4m3 step (its
+    sum is reduced in another order); in Triton's CPU interpreter, which rounds some values to
+    e4m3 wrongly, the scales bit for bit and the values within one e4m3 step. Mutation: rows
+    compared with their neighbours' outputs fail."""
     if device == "cpu":
         for module in (kn, ka):
             monkeypatch.setattr(module, "use_triton", lambda *tensors: True)
@@ -199,6 +212,8 @@ def test_norms_and_gelu_mul_quantise_what_they_would_return_in_their_kernel(devi
         delta = torch.randn(n, t, w, device=device, generator=g).to(dtype)
         weight, bias = ((1 + 0.1 * torch.randn(w, device=device, generator=g)).to(dtype) for _ in range(2))
         gate, mod = torch.rand(n, w, device=device, generator=g), 1 + torch.randn(n, 3, w, device=device, generator=g)
+        float32_gpu = exact and dtype == torch.float32
+        norm_exact, norm_rtol = exact and not float32_gpu, NORM_SCALE_RTOL if float32_gpu else 0.0
         norms = {
             "rms": functools.partial(kn.add_rms_norm, x, delta, weight, 1e-6),
             "ada": functools.partial(kn.add_ada_rms_norm, x, delta, gate, mod, 1e-6),
@@ -210,12 +225,13 @@ def test_norms_and_gelu_mul_quantise_what_they_would_return_in_their_kernel(devi
             assert len(launches) == before + 1, name  # one kernel: the norm quantises its own output
             h, y = norm()
             assert torch.equal(h8, h), name
-            same_rows(rows, f8.quantize_rows_reference(y), exact)
+            same_rows(rows, f8.quantize_rows_reference(y), norm_exact, norm_rtol)
             with pytest.raises(AssertionError):
-                same_rows(rows, f8.quantize_rows_reference(y.roll(1, dims=-2)), exact)
+                same_rows(rows, f8.quantize_rows_reference(y.roll(1, dims=-2)), norm_exact, norm_rtol)
         view = torch.cat([x, x], -1)[..., :w]  # rows at a stride of 2w, as a slice of a wider buffer
         _, rows = kn.add_rms_norm(view, delta, weight, 1e-6, fp8=True)
-        same_rows(rows, f8.quantize_rows_reference(kn.add_rms_norm(x, delta, weight, 1e-6)[1]), exact)
+        y = kn.add_rms_norm(x, delta, weight, 1e-6)[1]
+        same_rows(rows, f8.quantize_rows_reference(y), norm_exact, norm_rtol)
         for shape in ((5, 600), (2, 3, 2048)):  # m = 300 (a ragged block) and 1024
             gate_up = torch.randn(*shape, device=device, generator=g).to(dtype)
             out = ka.gelu_mul(gate_up)
