@@ -4,6 +4,7 @@ position and velocity alone are not (the ablation)."""
 
 import copy
 import dataclasses
+import math
 
 import mujoco
 import numpy as np
@@ -315,6 +316,40 @@ def test_cameras_are_fixed_views_of_the_same_scene():
     assert "cameras=top,opposite,centre" in sim.identity() and "cameras" not in make(1).identity()
     with pytest.raises(ValueError, match="cameras must name"):
         PushConfig(cameras=("wrist",))
+
+
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda",
+            marks=[pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")],
+        ),
+    ],
+)
+def test_windowed_drawing_equals_the_whole_image_test_bit_for_bit(device):
+    """Each shape drawn in its window around it gives the bytes of every shape tested at every
+    pixel (:meth:`TopDownRenderer.reference`): the three views at 32 and 224 pixels, shapes
+    anywhere on and off the table (windows pushed in at the edges), overlapping each other, and
+    a world whose positions are not finite. Mutation: windows sized at the whole table's scale
+    (the centre view's zoom forgotten) miss pixels of its shapes."""
+    g = torch.Generator().manual_seed(3)
+    for size, n in ((32, 256), (224, 8)):
+        sim = MujocoPush(1, PushConfig(TabletopConfig(image_size=size), cameras=("top", "opposite", "centre")))
+        r = sim.renderer
+        k = len(r.footprints)
+        ee = (torch.rand(n, 2, generator=g) * 2.6 - 1.3).to(device)
+        obj = (torch.rand(n, k, 2, generator=g) * 2.6 - 1.3).to(device)
+        yaw = (torch.rand(n, k, generator=g) * 7 - 3.5).to(device)
+        ee[0], obj[1, 1], obj[2, 0, 0] = obj[0, 0], obj[1, 0] + 0.05, float("nan")  # overlaps; a diverged world
+        want = r.reference(ee, obj, yaw)
+        assert torch.equal(r(ee, obj, yaw), want)
+        out = torch.empty_like(want)
+        assert r(ee, obj, yaw, out=out) is out and torch.equal(out, want)
+        short = copy.copy(r)  # windows sized at the whole table's scale: the centre view's zoom forgotten
+        short.window = lambda reach, size=size: min(size, math.ceil(reach * size) + 3)
+        assert not torch.equal(short(ee, obj, yaw), want)
 
 
 def test_scripted_expert_succeeds_on_every_instruction_and_doing_nothing_does_not():
