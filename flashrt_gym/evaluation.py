@@ -11,7 +11,7 @@ loop ends when every slot has finished. The splits' seeds are named in :mod:`fla
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -35,12 +35,14 @@ __all__ = [
 
 @dataclass(frozen=True)
 class EpisodeStats:
-    """What a batch of episodes gave: success rate, mean return and mean length (env steps)."""
+    """What a batch of episodes gave: success rate, mean return and mean length (env steps), and
+    per instruction index (each slot's at its reset) the episodes that succeeded and the episodes."""
 
     success: float
     mean_return: float
     mean_length: float
     episodes: int
+    by_instruction: dict[int, tuple[int, int]] = field(default_factory=dict)
 
 
 def run_episodes(env: FlashRTVectorEnv, act: Callable[[Any], np.ndarray], seed: int) -> EpisodeStats:
@@ -48,7 +50,8 @@ def run_episodes(env: FlashRTVectorEnv, act: Callable[[Any], np.ndarray], seed: 
     with ``act(obs) -> actions``."""
     if env.autoreset:
         raise ValueError("run_episodes needs an env built with autoreset=False (one episode per slot)")
-    obs, _ = env.reset(seed=seed)
+    obs, info = env.reset(seed=seed)
+    instruction = np.asarray(info["instruction"])
     alive = np.ones(env.num_envs, dtype=bool)
     ret, length = np.zeros(env.num_envs), np.zeros(env.num_envs)
     success = np.zeros(env.num_envs, dtype=bool)
@@ -58,7 +61,9 @@ def run_episodes(env: FlashRTVectorEnv, act: Callable[[Any], np.ndarray], seed: 
         length += alive
         success |= term & alive
         alive &= ~(term | trunc)
-    return EpisodeStats(float(success.mean()), float(ret.mean()), float(length.mean()), env.num_envs)
+    by_instruction = {int(i): (int(success[instruction == i].sum()), int((instruction == i).sum())) for i in
+                      np.unique(instruction)}  # fmt: skip
+    return EpisodeStats(float(success.mean()), float(ret.mean()), float(length.mean()), env.num_envs, by_instruction)
 
 
 def base_policy(env: FlashRTVectorEnv, seed: int) -> EpisodeStats:
@@ -72,11 +77,18 @@ def base_policy(env: FlashRTVectorEnv, seed: int) -> EpisodeStats:
 
 @dataclass
 class EvalResult:
-    """What :func:`evaluate` gave: success rate and mean return over ``episodes`` episodes."""
+    """What :func:`evaluate` gave: success rate and mean return over ``episodes`` episodes, and per
+    instruction (its text: one a task on Meta-World's MT10) the episodes that succeeded and the
+    episodes that began with it."""
 
     success: float
     mean_return: float
     episodes: int
+    by_instruction: dict[str, tuple[int, int]] = field(default_factory=dict)
+
+    def success_by_instruction(self) -> dict[str, float]:
+        """Each instruction's success rate, in the env's instruction order."""
+        return {text: won / n for text, (won, n) in self.by_instruction.items()}
 
 
 def evaluate(env: FlashRTVectorEnv, act: Callable[[np.ndarray], np.ndarray], split: str, episodes: int) -> EvalResult:
@@ -90,7 +102,8 @@ def evaluate(env: FlashRTVectorEnv, act: Callable[[np.ndarray], np.ndarray], spl
         episodes: how many, a multiple of ``env``'s slots.
 
     Returns:
-        The success rate and the mean return over the episodes.
+        The success rate and the mean return over the episodes, and the successes and episodes of
+        each instruction the episodes began with.
 
     Raises:
         ValueError: ``episodes`` is not a multiple of the env's slots.
@@ -111,8 +124,16 @@ def evaluate(env: FlashRTVectorEnv, act: Callable[[np.ndarray], np.ndarray], spl
         for i, start in enumerate(range(first, first + episodes, n)):
             batches.append(run_episodes(env, counted, start))
             bar.update((i + 1) * n * horizon - bar.n)  # a batch whose episodes all ended early
+    counts = np.zeros((len(env.instructions), 2), dtype=np.int64)
+    for b in batches:
+        for i, (won, begun) in b.by_instruction.items():
+            counts[i] += (won, begun)
+    by_instruction = {text: (int(won), int(n)) for text, (won, n) in zip(env.instructions, counts, strict=True) if n}
     return EvalResult(
-        sum(b.success for b in batches) / len(batches), sum(b.mean_return for b in batches) / len(batches), episodes
+        sum(b.success for b in batches) / len(batches),
+        sum(b.mean_return for b in batches) / len(batches),
+        episodes,
+        by_instruction,
     )
 
 

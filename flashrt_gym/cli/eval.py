@@ -141,6 +141,7 @@ def main(cfg: DictConfig) -> None:
                 "episodes": res.episodes,
                 "success": res.success,
                 "mean_return": res.mean_return,
+                "success_by_instruction": res.success_by_instruction(),  # a task each on MT10
             }
         )
     )

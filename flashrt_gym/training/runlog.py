@@ -124,6 +124,8 @@ class RunLog:
         }
         if milestone is not None:
             p["milestone"] = int(milestone)
+        if split == "test" and res.by_instruction:  # per task on MT10: the per-task table
+            p["by_instruction"] = by_instruction(res, base)
         self.curve.append(p)
         tag = "eval" if split == "validation" else "test"
         self.scalars(env_steps, {f"{tag}/success": res.success, f"{tag}/return": res.mean_return})
@@ -159,6 +161,23 @@ class RunLog:
             100 * hi, summary["test_episodes"], summary["env_steps"], summary["env_steps_per_s"], summary["wall_s"],
         )  # fmt: skip
         return summary
+
+
+def by_instruction(res: EvalResult, base: EvalResult) -> dict[str, dict[str, float | int]]:
+    """Each instruction's success, the base policy's on the same starts beside it, and the
+    episodes that began with it (on Meta-World's MT10 an instruction is a task).
+
+    Args:
+        res: the steered policy's result. base: the base policy's on the same split.
+
+    Returns:
+        Instruction text to ``success``, ``base_success`` and ``episodes``.
+    """
+    base_rates = base.success_by_instruction()
+    return {
+        text: {"success": won / n, "base_success": base_rates.get(text), "episodes": n}
+        for text, (won, n) in res.by_instruction.items()
+    }
 
 
 def plot_curve(curve: list[dict[str, Any]], path: Path, title: str) -> None:
@@ -236,6 +255,7 @@ def summarize(
         "success_ci95": success_interval(final["success"], final["episodes"]),
         "base_success_ci95": success_interval(final["base_success"], final["episodes"]),
         "test_success_at": at,
+        "test_by_instruction": final.get("by_instruction", {}),
         "validation_success": val[-1]["success"] if val else None,
         "wall_s": time.time() - log.launch,
         "process_cpu_s": time.process_time(),  # every thread's CPU time: with wall_s, how loaded the machine was

@@ -253,6 +253,24 @@ def test_wall_times_count_from_the_given_launch_and_the_summary_has_intervals(tm
     assert (tmp_path / "curve.png").is_file()
 
 
+def test_the_summary_has_each_instructions_test_success_beside_the_base_policys(tmp_path):
+    """The final test point's per-instruction figures (a task each on MT10) reach ``curve.json`` and
+    ``summary.json``'s ``test_by_instruction``, the base policy's rate on the same split beside
+    each; validation points carry none."""
+    cfg = config("logger=none")
+    base_test = EvalResult(0.5, 2.0, 4, {"open the drawer": (2, 2), "press the button": (0, 2)})
+    log = RunLog(cfg, tmp_path, 100.0, {"validation": EvalResult(0.25, 1.0, 2), "test": base_test})
+    assert "by_instruction" not in log.point(8, "validation", EvalResult(0.5, 1.5, 2, {"open the drawer": (1, 2)}))
+    log.point(16, "test", EvalResult(0.75, 2.5, 4, {"open the drawer": (2, 2), "press the button": (1, 2)}))
+    summary = runlog.summarize(cfg, log, 16, 10.0, 16)
+    assert summary["test_by_instruction"] == {
+        "open the drawer": {"success": 1.0, "base_success": 1.0, "episodes": 2},
+        "press the button": {"success": 0.5, "base_success": 0.0, "episodes": 2},
+    }
+    log.finish(summary)
+    assert json.loads((tmp_path / "summary.json").read_text())["test_by_instruction"] == summary["test_by_instruction"]
+
+
 def test_success_interval_is_wilsons():
     # Wilson's 95 % interval of 14 successes in 32 (Brown, Cai & DasGupta 2001, eq. 4) by hand
     z, n, k = 1.959963984540054, 32, 14
