@@ -99,6 +99,8 @@ def aggregate(groups: dict[str, list[dict]]) -> dict[str, dict]:
                 g[key] = float(np.mean([s[key] for s in done]))
             g["env_steps_per_s_summed"] = float(np.sum([s["env_steps_per_s"] for s in done]))  # runs sharing a GPU
             g["wall_s_to_validation_90"] = [s.get("first_wall_s_validation_90") for s in done]
+            if all(s.get("test_by_instruction") for s in done):  # MT10: the per-task table
+                g["test_by_instruction"] = by_instruction([s["test_by_instruction"] for s in done])
         milestones = [at_200000(r["curve"]) for r in runs]
         if all(m is not None for m in milestones):  # every run reached 200 000 steps, finished or not
             g["test_success_at_200000"] = estimate([m["success"] for m in milestones])
@@ -106,6 +108,46 @@ def aggregate(groups: dict[str, list[dict]]) -> dict[str, dict]:
                 g["base_success"] = float(np.mean([m["base_success"] for m in milestones]))
         out[name] = g
     return out
+
+
+def by_instruction(runs: list[dict[str, dict]]) -> dict[str, dict]:
+    """Each instruction's test success over the runs (:func:`estimate`, the per-seed values beside
+    it) and the base policy's mean on the same starts: a task each on Meta-World's MT10.
+
+    Args:
+        runs: each run's ``summary.json`` ``test_by_instruction`` (text to ``success``,
+            ``base_success``, ``episodes``).
+
+    Returns:
+        Instruction text (those every run has, in the first run's order) to ``success``,
+        ``base_success`` and ``episodes`` (summed over the runs).
+    """
+    out = {}
+    for text in runs[0]:
+        if all(text in r for r in runs):
+            seeds = [r[text]["success"] for r in runs]
+            out[text] = {
+                "success": estimate(seeds) | {"per_seed": seeds},
+                "base_success": float(np.mean([r[text]["base_success"] for r in runs])),
+                "episodes": int(sum(r[text]["episodes"] for r in runs)),
+            }
+    return out
+
+
+def instruction_table(agg: dict[str, dict]) -> str:
+    """Per instruction (task), each group's steered test success beside its base policy's, for
+    the groups whose runs recorded it; empty when none did."""
+    rows = []
+    for name, g in agg.items():
+        for text, d in g.get("test_by_instruction", {}).items():
+            s = d["success"]
+            what = f"[{100 * s['lo']:.1f}, {100 * s['hi']:.1f}]" if s["stat"] == "iqm" else "(mean)"
+            steered = f"{100 * s['value']:.1f} % {what}"
+            rows.append(f"| {name} | {text} | {100 * d['base_success']:.1f} % | {steered} | {d['episodes']} |")
+    if not rows:
+        return ""
+    head = "| runs | instruction | base (test) | steered (test) | episodes (all seeds) |\n|---|---|---|---|---|"
+    return head + "\n" + "\n".join(rows)
 
 
 def table(agg: dict[str, dict]) -> str:
@@ -179,6 +221,9 @@ def main() -> None:
     groups = load_runs(args.folder)
     agg = aggregate(groups)
     text = table(agg)
+    per_instruction = instruction_table(agg)
+    if per_instruction:
+        text += "\n\n" + per_instruction
     (args.folder / "summary.md").write_text(text + "\n")
     (args.folder / "aggregate.json").write_text(json.dumps(agg, indent=2))
     plot(groups, args.folder / "curves.png")

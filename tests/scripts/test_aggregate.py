@@ -106,3 +106,36 @@ def test_five_runs_get_the_interquartile_mean_and_fewer_the_mean_with_its_range(
         }
     )
     assert "| 60.0 % [" in row.splitlines()[-1]
+
+
+def test_each_instruction_gets_its_figure_over_the_seeds_beside_the_base_policys(tmp_path, monkeypatch):
+    """Five finished runs that recorded per-instruction test success (a task each on MT10): each
+    instruction's IQM over the five, per seed beside it, the base policy's mean and the episodes
+    summed, in summary.md's second table. Mutation: the runs' overall successes in place of the
+    instruction's give another figure."""
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    import aggregate
+
+    drawer = [0.1, 0.5, 0.6, 0.7, 0.99]
+    for seed, d in enumerate(drawer):
+        run = tmp_path / f"fast_sac_seed{seed}"
+        run.mkdir()
+        (run / "curve.json").write_text(json.dumps([{"env_steps": 100, "split": "validation", "success": 0.5}]))
+        per = {
+            "open the drawer": {"success": d, "base_success": 0.2, "episodes": 100},
+            "press the button": {"success": 1.0, "base_success": 0.6, "episodes": 100},
+        }
+        summary = {"seed": seed, "success": 0.3, "validation_success": 0.5, "base_success": 0.4}
+        summary |= {"env_steps": 100, "env_steps_per_s": 10.0, "wall_s": 10.0, "test_by_instruction": per}
+        (run / "summary.json").write_text(json.dumps(summary))
+    agg = aggregate.aggregate(aggregate.load_runs(tmp_path))
+    got = agg["fast_sac"]["test_by_instruction"]
+    assert list(got) == ["open the drawer", "press the button"]
+    assert got["open the drawer"]["success"]["value"] == pytest.approx(0.6)  # the IQM of the five
+    assert got["open the drawer"]["success"]["per_seed"] == drawer
+    assert got["open the drawer"]["base_success"] == pytest.approx(0.2) and got["open the drawer"]["episodes"] == 500
+    assert got["press the button"]["success"]["value"] == pytest.approx(1.0)
+    assert got["open the drawer"]["success"]["value"] != pytest.approx(agg["fast_sac"]["test_success"]["value"])
+    rows = aggregate.instruction_table(agg).splitlines()
+    assert rows[2].startswith("| fast_sac | open the drawer | 20.0 % | 60.0 % [") and rows[2].endswith("| 500 |")
+    assert aggregate.instruction_table({"g": {}}) == ""
