@@ -33,6 +33,7 @@ from safetensors.torch import save as save_bytes
 from flashrt.runtime import atomic_write
 from flashrt_gym.demos import FORMAT
 from flashrt_gym.env import FlashRTVectorEnv
+from flashrt_gym.evaluation import base_policy
 from flashrt_gym.sims import metaworld
 from flashrt_gym.sims.metaworld_cpu import MetaWorld
 from flashrt_gym.sims.metaworld_tasks import INSTRUCTIONS, task_names
@@ -291,15 +292,9 @@ def evaluate(
         n_action_steps=n_action_steps,
         max_episode_steps=max_episode_steps,
     )
-    env.reset(seed=seed)
-    zeros = np.zeros((env.num_envs, *env.single_action_space.shape), np.float32)
-    alive, success = np.ones(env.num_envs, bool), np.zeros(env.num_envs, bool)
-    while alive.any():
-        _, _, term, trunc, _ = env.step(zeros)
-        success |= term & alive
-        alive &= ~(term | trunc)
+    counts = base_policy(env, seed).by_instruction  # the instruction index of a slot is its task's
     env.close()
-    rates = {name: float(success[i :: len(task.tasks)].mean()) for i, name in enumerate(task.tasks)}
+    rates = {name: counts[i][0] / counts[i][1] for i, name in enumerate(task.tasks)}
     return {**rates, "mean": float(np.mean(list(rates.values())))}
 
 
