@@ -87,7 +87,8 @@ class TopDownRenderer:
                 "py": ys.to(device),
                 "base": goal_mask.long().to(device),  # (C, H, W) label 0 table, 1 goal
                 "palette": palette.to(torch.uint8).to(device),  # by label: table, goal, objects, end-effector
-                "view": v.float().to(device),  # (C, 4): centre x, centre y, half extent, yaw
+                # (C, 5): centre x, centre y, half extent, cosine and sine of the yaw (for the windows)
+                "view": torch.cat([v[:, :3], cos[:, 0, 0, None], sin[:, 0, 0, None]], 1).float().to(device),
             }
         return self._consts[device]
 
@@ -104,9 +105,8 @@ class TopDownRenderer:
         side up and left of the point's pixel, moved inside the image where the point is near
         an edge or off the image (where a window that reaches past the edge would be)."""
         n = self.image_size
-        cx, cy, half, turn = (c["view"][:, i] for i in range(4))
+        cx, cy, half, cos, sin = c["view"].unbind(1)
         dx, dy = centre[:, 0, None] - cx, centre[:, 1, None] - cy  # (slots, views)
-        cos, sin = torch.cos(turn), torch.sin(turn)
         col = ((dx * cos + dy * sin) / half + 1) * (n / 2) - 0.5  # the point in the view's pixels
         row = (1 - (-dx * sin + dy * cos) / half) * (n / 2) - 0.5
         corner = torch.stack([row, col]) - (side - 1) / 2
