@@ -21,7 +21,11 @@ cuBLASLt's GELU epilogue round. More rows or wider inputs take cuBLAS, which is 
 
 The blocked kernel also takes a gated MLP's input half, :func:`linear_geglu`: a program sweeps
 matching gate and up rows and takes ``gelu_tanh(gate) * up`` in its epilogue, so the gate/up
-product is never written (one kernel where the expert ran two).
+product is never written (one kernel where the expert ran two). Over more rows and inputs up to
+:data:`TILE_MAX_K` wide (``tiny``'s layers at many slots) the same kernel runs in tiles of
+:data:`TILE_ROWS` rows, a grid of row blocks by column blocks: there cuBLAS's product would
+write ``(rows, 2m)`` and :func:`flashrt.kernels.gelu_mul` read it back, more bytes than the
+product has arithmetic, so leaving it in registers pays even against a faster GEMM.
 
 A blocked sweep is a chain of dependent steps a program, so its time follows the steps, not the
 rows (docs/PERFORMANCE.md). :func:`linear_partials` splits a wide input's ``k`` over several
@@ -53,6 +57,16 @@ LOOP_ROWS = 64
 MAX_LOOP_K = 2048
 """Most rows and widest inputs the blocked-``k`` kernel takes (one block of rows, so each weight
 row is read by one program)."""
+TILE_ROWS = 128
+TILE_MAX_K = 512
+"""Rows a program of :func:`linear_geglu`'s tiled kernel takes, and the widest input it takes
+the kernel for over more than :data:`LOOP_ROWS` rows. Per gated output the chain moves 10 bytes
+in bf16 (the gate/up pair written and read back, the product written) for ``4k`` FLOPs, the
+tiles 2 bytes: at ``k`` up to 512 an H100's bytes cost more than its FLOPs (about 300 FLOP a
+byte), so the tiles win even at a lower FLOP rate than cuBLAS's; wider inputs (pi0's 1 024 and
+2 048) are arithmetic-bound and keep cuBLAS's GEMM."""
+MAX_TILE_BLOCKS = 65535
+"""Most row blocks of a tiled launch (CUDA's limit on a grid's second dimension)."""
 SPLIT_BN = 32
 SPLITS = (8, 4, 2)
 SPLIT_MAX_K = 4096
@@ -141,10 +155,12 @@ if triton is not None:
         HAS_BIAS: tl.constexpr, ACCUMULATE: tl.constexpr, GELU: tl.constexpr, GEGLU: tl.constexpr,
         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GDC: tl.constexpr, PRECISION: tl.constexpr,
     ):  # fmt: skip
-        # Program j: every row (at most BM) by weight rows j*BN.., k swept in BK blocks (pipelined).
-        # GEGLU: output columns j*BN.. of N, from gate rows j*BN.. and up rows N + j*BN.. .
+        # Program (j, i): rows i*BM.. (one block, i = 0, unless tiled) by weight rows j*BN.., k
+        # swept in BK blocks (pipelined). GEGLU: output columns j*BN.. of N, from gate rows j*BN..
+        # and up rows N + j*BN.. . The column blocks of a row block run together and share its
+        # rows in L2.
         cols = tl.program_id(0) * BN + tl.arange(0, BN)
-        row = tl.arange(0, BM)
+        row = tl.program_id(1).to(tl.int64) * BM + tl.arange(0, BM)
         live = row < rows
         ks = tl.arange(0, BK)
         inputs_ready(GDC)
@@ -213,6 +229,15 @@ def _launch(
         HAS_BIAS=bias is not None, ACCUMULATE=accumulate, GELU=gelu,
         PRECISION="ieee" if a.dtype == torch.float32 else "tf32", num_warps=4,
     )  # fmt: skip
+    if geglu and rows > LOOP_ROWS:  # tiles of rows by columns (each half's, then the GeGLU)
+        n, bn, bk = n // 2, 64, 128 // a.element_size()
+        grid = (triton.cdiv(n, bn), triton.cdiv(rows, TILE_ROWS))
+        options.update(num_warps=8)
+        _linear_loop_kernel[grid](
+            *args[:6], n, *args[7:], GEGLU=True, BM=TILE_ROWS, BN=bn, BK=bk, num_stages=3, **options,
+            **dependent_launch(a.device, grid[0] * grid[1]),
+        )  # fmt: skip
+        return
     if geglu or not _whole_rows(rows, k, n):  # blocked k: every row in one program
         bn, bk = loop_tiles(n, a.element_size())
         if geglu:  # half the rows a program, from each half: the same weight bytes
@@ -300,12 +325,22 @@ def _blocked_rows(rows: int, k: int) -> bool:
     return k <= MAX_LOOP_K and rows <= LOOP_ROWS
 
 
-def _fits(a: torch.Tensor, weight: torch.Tensor, *tensors: torch.Tensor, blocked: bool = False) -> bool:
-    """Whether a call takes a Triton kernel (``blocked``: the blocked-``k`` one; else torch, which
-    also reports dtype mismatches)."""
+def _tiled_rows(rows: int, k: int) -> bool:
+    """Whether :func:`linear_geglu`'s tiled kernel can take a call the blocked one cannot (more
+    than :data:`LOOP_ROWS` rows of inputs up to :data:`TILE_MAX_K` wide)."""
+    return k <= TILE_MAX_K and LOOP_ROWS < rows <= MAX_TILE_BLOCKS * TILE_ROWS
+
+
+def _fits(
+    a: torch.Tensor, weight: torch.Tensor, *tensors: torch.Tensor, blocked: bool = False, tiled: bool = False
+) -> bool:
+    """Whether a call takes a Triton kernel (``blocked``: the blocked-``k`` one, ``tiled`` also its
+    tiles over many rows; else torch, which also reports dtype mismatches)."""
     n, k = weight.shape
     rows = a.numel() // max(k, 1)
-    few = 16 <= k and (_blocked_rows(rows, k) or (not blocked and _whole_rows(rows, k, n)))
+    few = 16 <= k and (
+        _blocked_rows(rows, k) or (tiled and _tiled_rows(rows, k)) or (not blocked and _whole_rows(rows, k, n))
+    )
     same = all(t.dtype == a.dtype for t in (weight, *tensors))
     return few and same and weight.is_contiguous() and use_triton(a, weight, *tensors)
 
@@ -351,13 +386,14 @@ def linear_geglu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     :func:`linear`, rounded as that chain rounds.
 
     Over few rows (the action expert's tokens) the blocked-``k`` kernel takes it whole, the
-    activation in its epilogue; elsewhere the chain runs."""
+    activation in its epilogue; over more rows of inputs up to :data:`TILE_MAX_K` wide, the same
+    kernel in tiles; elsewhere (pi0's wide inputs over many rows) the chain runs."""
     _check("linear_geglu", x, weight)
     if weight.shape[0] % 2:
         raise ValueError(
             f"linear_geglu: the weight needs an even row count (gate and up halves), got {weight.shape[0]}"
         )
-    if _fits(x, weight, blocked=True):
+    if _fits(x, weight, blocked=True, tiled=True):
         out = x.new_empty((*x.shape[:-1], weight.shape[0] // 2))
         _launch(x.contiguous(), weight, None, out, geglu=True)
         return out

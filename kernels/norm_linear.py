@@ -15,9 +15,11 @@ element ``i`` with ``i + d/2``) or matching gate and up columns. Neither the nor
 projection's output is written to memory. Rounding follows the unfused chain: the normed row as
 :func:`flashrt.kernels.add_rms_norm` rounds it, the product rounded to the input dtype before the
 rotation or the GELU; only the order of the matmul's sums differs (as between any two GEMMs).
-Wider rows (``pi0``) and calls over many rows take the unfused chain, whose matmul is
-:func:`flashrt.kernels.linear` (cuBLAS over many rows; at pi0's expert, 50 rows, the blocked-k
-Triton kernel, which also takes the GeGLU: :func:`flashrt.kernels.linear_geglu`).
+Wider rows (``pi0``) and calls over many rows take the norm apart, then the matmul and its
+consumer: :func:`flashrt.kernels.linear_geglu` (the GELU in the epilogue of Triton tiles over many
+narrow rows and of the blocked-k kernel at pi0's expert, 50 rows; cuBLAS and
+:func:`flashrt.kernels.gelu_mul` for pi0's wide rows over many), :func:`flashrt.kernels.linear`
+then :func:`flashrt.kernels.qkv_rope`.
 """
 
 from __future__ import annotations

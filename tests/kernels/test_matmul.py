@@ -130,6 +130,61 @@ def test_linear_geglu_over_few_rows_is_one_blocked_kernel(device, rows, k, m, tr
         linear_geglu(a, w[1:])
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    ("rows_shape", "k", "m"),
+    [((2, 100), 256, 96), ((3, 70), 192, 64), ((1, 300), 100, 40)],  # tiny's prefix and expert; ragged
+)
+def test_linear_geglu_over_many_narrow_rows_is_one_tiled_kernel(device, rows_shape, k, m, triton_on_cpu, monkeypatch):
+    """More rows than LOOP_ROWS of inputs up to TILE_MAX_K wide (tiny's layers at many slots;
+    ragged last row, column and k blocks) take the blocked kernel in tiles of TILE_ROWS rows, one
+    launch, and match linear then gelu_mul. The same comparison fails against the halves swapped,
+    against the product without its last block of k, and against the first row block written
+    again where the second belongs (a tile that ignored its row offset)."""
+    launches = spy_launches(monkeypatch, kl, "_linear_loop_kernel")
+    g = torch.Generator(device=device).manual_seed(k + m)
+    rows = rows_shape[0] * rows_shape[1]
+    for dtype in dtypes(device):
+        a, w, _ = inputs(device, dtype, g, rows_shape, k, 2 * m)
+        poison_allocator(device)
+        got = linear_geglu(a, w)
+        assert got.shape == (*rows_shape, m) and got.dtype == dtype
+        want = linear_geglu_reference(a.float(), w.float())
+        close(got, want, dtype)
+        with pytest.raises(AssertionError):
+            close(got, linear_geglu_reference(a.float(), w.float().roll(m, 0)), dtype)
+        bk = 128 // a.element_size()
+        last = (k - 1) // bk * bk
+        with pytest.raises(AssertionError):
+            close(got, linear_geglu_reference(a[..., :last].float(), w[:, :last].float()), dtype)
+        flat, shifted = want.reshape(rows, m), want.reshape(rows, m).clone()
+        second = min(rows, 2 * kl.TILE_ROWS) - kl.TILE_ROWS
+        shifted[kl.TILE_ROWS : kl.TILE_ROWS + second] = flat[:second]
+        with pytest.raises(AssertionError):
+            close(got.reshape(rows, m), shifted, dtype)
+    grid = (-(-m // 64), -(-rows // kl.TILE_ROWS))  # 64 columns a tile
+    assert launches == [grid] * len(dtypes(device))
+    assert all(o["BM"] == kl.TILE_ROWS for o in launches.options)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_linear_geglu_keeps_cublas_for_wide_inputs_over_many_rows(device, triton_on_cpu, monkeypatch):
+    """Inputs wider than TILE_MAX_K over more than LOOP_ROWS rows (pi0's, arithmetic-bound) take
+    the chain, linear then gelu_mul; at TILE_MAX_K the tiles; at LOOP_ROWS rows one row block."""
+    launches = spy_launches(monkeypatch, kl, "_linear_loop_kernel")
+    g = torch.Generator(device=device).manual_seed(3)
+    dtype = dtypes(device)[0]
+    for rows, k, grid in (
+        (kl.LOOP_ROWS + 1, kl.TILE_MAX_K + 8, None),
+        (kl.LOOP_ROWS + 1, kl.TILE_MAX_K, (1, 1)),
+        (kl.LOOP_ROWS, 32, (2,)),
+    ):
+        launches.clear()
+        a, w, _ = inputs(device, dtype, g, (rows,), k, 64)
+        close(linear_geglu(a, w), linear_geglu_reference(a.float(), w.float()), dtype)
+        assert launches == ([] if grid is None else [grid]), (rows, k)
+
+
 SPLIT_SHAPES = [
     pytest.param((1, 50), 2048, 1024, 4, id="pi0-o"),
     pytest.param((1, 50), 4096, 1024, 4, id="pi0-down"),
