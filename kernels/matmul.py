@@ -57,10 +57,13 @@ LOOP_ROWS = 64
 MAX_LOOP_K = 2048
 """Most rows and widest inputs the blocked-``k`` kernel takes (one block of rows, so each weight
 row is read by one program)."""
-TILE_ROWS = 128
+TILE_ROWS, TILE_COLS, TILE_WARPS, TILE_STAGES = 128, 64, 8, 3
+"""A program of :func:`linear_geglu`'s tiled kernel: rows, output columns (as many gate and up
+rows of the weight each), warps, and pipeline stages of its ``k`` sweep (64 bf16 elements a
+step). ``scripts/bench_geglu.py --sweep`` times other tiles at the policies' shapes."""
 TILE_MAX_K = 512
-"""Rows a program of :func:`linear_geglu`'s tiled kernel takes, and the widest input it takes
-the kernel for over more than :data:`LOOP_ROWS` rows. Per gated output the chain moves 10 bytes
+"""The widest input :func:`linear_geglu` takes its tiled kernel for over more than
+:data:`LOOP_ROWS` rows. Per gated output the chain moves 10 bytes
 in bf16 (the gate/up pair written and read back, the product written) for ``4k`` FLOPs, the
 tiles 2 bytes: at ``k`` up to 512 an H100's bytes cost more than its FLOPs (about 300 FLOP a
 byte), so the tiles win even at a lower FLOP rate than cuBLAS's; wider inputs (pi0's 1 024 and
@@ -230,12 +233,12 @@ def _launch(
         PRECISION="ieee" if a.dtype == torch.float32 else "tf32", num_warps=4,
     )  # fmt: skip
     if geglu and rows > LOOP_ROWS:  # tiles of rows by columns (each half's, then the GeGLU)
-        n, bn, bk = n // 2, 64, 128 // a.element_size()
-        grid = (triton.cdiv(n, bn), triton.cdiv(rows, TILE_ROWS))
-        options.update(num_warps=8)
+        n = n // 2
+        grid = (triton.cdiv(n, TILE_COLS), triton.cdiv(rows, TILE_ROWS))
+        options.update(num_warps=TILE_WARPS)
         _linear_loop_kernel[grid](
-            *args[:6], n, *args[7:], GEGLU=True, BM=TILE_ROWS, BN=bn, BK=bk, num_stages=3, **options,
-            **dependent_launch(a.device, grid[0] * grid[1]),
+            *args[:6], n, *args[7:], GEGLU=True, BM=TILE_ROWS, BN=TILE_COLS, BK=128 // a.element_size(),
+            num_stages=TILE_STAGES, **options, **dependent_launch(a.device, grid[0] * grid[1]),
         )  # fmt: skip
         return
     if geglu or not _whole_rows(rows, k, n):  # blocked k: every row in one program

@@ -17,13 +17,17 @@ two outputs part (the largest difference in units of bf16's spacing at the chain
 share of elements that differ: only the order of the GEMM's sums differs). Without a GPU the
 script times the chain's torch reference in float32 by wall clock: a smoke run, not a measurement.
 
-    python scripts/bench_geglu.py --out bench_geglu.json
+With ``--sweep`` the tiles are also timed at the other shapes of :data:`SWEEP` (rows, columns,
+warps, pipeline stages of a program: ``kernels.matmul.TILE_*``), to choose the kernel's.
+
+    python scripts/bench_geglu.py --sweep --out bench_geglu.json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -36,6 +40,9 @@ from flashrt.kernels import gelu_mul, linear_geglu
 from flashrt.kernels.backend import triton
 from flashrt.policies import PRESETS
 from flashrt_gym.sims.tabletop import TabletopConfig
+
+SWEEP = [(128, 64, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3), (128, 128, 8, 3), (256, 64, 8, 3), (128, 32, 4, 4)]
+"""Tiles ``--sweep`` times: ``(TILE_ROWS, TILE_COLS, TILE_WARPS, TILE_STAGES)``."""
 
 
 def shapes(tiny_batches: list[int], pi0_batches: list[int]) -> list[dict]:
@@ -62,7 +69,20 @@ def bf16_spacings(got: torch.Tensor, want: torch.Tensor) -> tuple[float, float]:
     return float((diff / spacing).max()), float((diff > 0).float().mean())
 
 
-def bench(site: dict, device: str, dtype: torch.dtype, calls: int, reps: int) -> dict:
+def with_tiles(tile: tuple[int, int, int, int], fn: Callable[[], object], calls: int, reps: int) -> float:
+    """:func:`per_call_us` of ``fn`` with ``kernels.matmul``'s tiles set to ``tile`` (restored after)."""
+    names = ("TILE_ROWS", "TILE_COLS", "TILE_WARPS", "TILE_STAGES")
+    saved = [getattr(kl, name) for name in names]
+    for name, value in zip(names, tile, strict=True):
+        setattr(kl, name, value)
+    try:
+        return per_call_us(fn, calls, reps)
+    finally:
+        for name, value in zip(names, saved, strict=True):
+            setattr(kl, name, value)
+
+
+def bench(site: dict, device: str, dtype: torch.dtype, calls: int, reps: int, sweep: bool) -> dict:
     g = torch.Generator(device=device).manual_seed(site["rows"] + site["k"])
     rows, k, m = site["rows"], site["k"], site["m"]
     x = torch.randn(rows, k, device=device, generator=g).to(dtype)
@@ -91,6 +111,8 @@ def bench(site: dict, device: str, dtype: torch.dtype, calls: int, reps: int) ->
         row["linear_geglu_equals_dispatch"] = bool(
             torch.equal(linear_geglu(x, w), tiles() if row["dispatch"] == "tiles" else chain())
         )
+        if sweep:
+            row["sweep"] = [{"tile": list(t), "us": with_tiles(t, tiles, calls, reps)} for t in SWEEP]
     return row
 
 
@@ -101,19 +123,20 @@ def main() -> None:
     ap.add_argument("--pi0-batches", type=int, nargs="*", default=[1, 8, 64])
     ap.add_argument("--calls", type=int, default=20)
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--sweep", action="store_true", help="also time the tiles of SWEEP (on a GPU)")
     args = ap.parse_args()
     cuda = torch.cuda.is_available() and triton is not None
     device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
     rows = []
     for site in shapes(args.tiny_batches, args.pi0_batches):
-        rows.append(bench(site, device, dtype, args.calls, args.reps))
+        rows.append(bench(site, device, dtype, args.calls, args.reps, args.sweep))
         print(json.dumps(rows[-1]), flush=True)
     meta = provenance() if cuda else {"gpu": "none (smoke run)", "torch": torch.__version__, "commit": commit()}
     result = {
         **meta,
         "triton": None if triton is None else triton.__version__,
         "dtype": str(dtype),
-        "tile_rows": kl.TILE_ROWS,
+        "tile": [kl.TILE_ROWS, kl.TILE_COLS, kl.TILE_WARPS, kl.TILE_STAGES],
         "tile_max_k": kl.TILE_MAX_K,
         "rows": rows,
     }
@@ -127,6 +150,13 @@ def main() -> None:
             f"{r['dispatch']:>8} | {r['chain_us']:8.1f} | {tiles_us:8.1f} | {r['chain_us'] / tiles_us:13.2f} | "
             f"{r['tiles_bytes'] / tiles_us / 1e3:10.0f}"
         )
+    swept = [r for r in rows if "sweep" in r]
+    if swept:
+        print("\ntiles (rows, columns, warps, stages): us a call")
+        print("preset | caller | batch | " + " | ".join(str(tuple(t)) for t in SWEEP))
+        for r in swept:
+            cells = " | ".join(f"{c['us']:.1f}" for c in r["sweep"])
+            print(f"{r['preset']:>6} | {r['caller']:>6} | {r['batch']:5d} | {cells}")
     print(f"wrote {args.out}")
 
 

@@ -162,7 +162,7 @@ def test_linear_geglu_over_many_narrow_rows_is_one_tiled_kernel(device, rows_sha
         shifted[kl.TILE_ROWS : kl.TILE_ROWS + second] = flat[:second]
         with pytest.raises(AssertionError):
             close(got.reshape(rows, m), shifted, dtype)
-    grid = (-(-m // 64), -(-rows // kl.TILE_ROWS))  # 64 columns a tile
+    grid = (-(-m // kl.TILE_COLS), -(-rows // kl.TILE_ROWS))
     assert launches == [grid] * len(dtypes(device))
     assert all(o["BM"] == kl.TILE_ROWS for o in launches.options)
 
