@@ -39,8 +39,9 @@ FUSED_MAX_WIDTH = 256
 GEGLU_MAX_ROWS = 256
 QKV_ROPE_MAX_ROWS = 2048
 """Most rows (tokens) a call takes the fused kernel for. Below these the calls are latency-bound
-and one launch beats three; above them the unfused chain's cuBLAS matmul is faster (measured:
-docs/PERFORMANCE.md, "Kernels: the measurements behind their design")."""
+and one launch beats three; above them the unfused chain was measured faster with cuBLAS's matmul
+(docs/PERFORMANCE.md, "Kernels: the measurements behind their design"), whose GeGLU form now runs
+:func:`flashrt.kernels.linear_geglu`'s tiles."""
 
 
 def _check(x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor, name: str) -> None:

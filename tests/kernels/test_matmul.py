@@ -164,6 +164,9 @@ def test_linear_geglu_over_many_narrow_rows_is_one_tiled_kernel(device, rows_sha
             close(got.reshape(rows, m), shifted, dtype)
     grid = (-(-m // kl.TILE_COLS), -(-rows // kl.TILE_ROWS))
     assert launches == [grid] * len(dtypes(device))
+    wide = torch.randn(*rows_shape, k + 8, device=device, generator=g).to(a.dtype)
+    wide[..., :k] = a
+    assert torch.equal(linear_geglu(wide[..., :k], w), got)  # a strided view (a slot arena's) reads as its copy
     assert all(o["BM"] == kl.TILE_ROWS for o in launches.options)
 
 
