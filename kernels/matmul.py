@@ -22,8 +22,8 @@ cuBLASLt's GELU epilogue round. More rows or wider inputs take cuBLAS, which is 
 The blocked kernel also takes a gated MLP's input half, :func:`linear_geglu`: a program sweeps
 matching gate and up rows and takes ``gelu_tanh(gate) * up`` in its epilogue, so the gate/up
 product is never written (one kernel where the expert ran two). Over more rows and inputs up to
-:data:`TILE_MAX_K` wide (``tiny``'s layers at many slots) the same kernel runs in tiles
-(:func:`tile_for`), a grid of row blocks by column blocks: there cuBLAS's product would
+:data:`TILE_MAX_K` wide (``tiny``'s layers at many slots) the same kernel runs in tiles of
+:data:`TILE_ROWS` rows, a grid of row blocks by column blocks: there cuBLAS's product would
 write ``(rows, 2m)`` and :func:`flashrt.kernels.gelu_mul` read it back, more bytes than the
 product has arithmetic, so leaving it in registers pays even against a faster GEMM.
 
@@ -57,32 +57,17 @@ LOOP_ROWS = 64
 MAX_LOOP_K = 2048
 """Most rows and widest inputs the blocked-``k`` kernel takes (one block of rows, so each weight
 row is read by one program)."""
-
-
-class Tile(NamedTuple):
-    """A program of :func:`linear_geglu`'s tiled kernel: rows, output columns (as many gate and up
-    rows of the weight each), warps, and pipeline stages of its ``k`` sweep (64 bf16 elements a
-    step)."""
-
-    rows: int
-    cols: int
-    warps: int
-    stages: int
-
-
-TILE = Tile(128, 64, 8, 3)
-SMALL_TILE = Tile(64, 64, 4, 3)
-SMALL_TILE_MAX_ROWS = 4096
-"""The tiles: :data:`SMALL_TILE` up to :data:`SMALL_TILE_MAX_ROWS` rows, where :data:`TILE`'s
-128-row blocks would leave much of the GPU idle, :data:`TILE` beyond (``scripts/bench_geglu.py
---sweep`` times six tiles at the policies' shapes: docs/PERFORMANCE.md)."""
+TILE_ROWS, TILE_COLS, TILE_WARPS, TILE_STAGES = 128, 64, 8, 3
+"""A program of :func:`linear_geglu`'s tiled kernel: rows, output columns (as many gate and up
+rows of the weight each), warps, and pipeline stages of its ``k`` sweep (64 bf16 elements a
+step). ``scripts/bench_geglu.py --sweep`` times other tiles at the policies' shapes."""
 TILE_MAX_K = 512
 """The widest input :func:`linear_geglu` takes its tiled kernel for over more than
 :data:`LOOP_ROWS` rows. Per gated output the chain moves 10 bytes
 in bf16 (the gate/up pair written and read back, the product written) for ``4k`` FLOPs, the
-tiles 2 bytes (and no ``(rows, 2m)`` buffer): up to this width the bytes saved pay for the tiles'
-lower FLOP rate than cuBLAS's (they tie or win at ``tiny``'s shapes); wider inputs (pi0's 1 024
-and 2 048) are arithmetic-bound, and cuBLAS's GEMM wins there (docs/PERFORMANCE.md)."""
+tiles 2 bytes: at ``k`` up to 512 an H100's bytes cost more than its FLOPs (about 300 FLOP a
+byte), so the tiles win even at a lower FLOP rate than cuBLAS's; wider inputs (pi0's 1 024 and
+2 048) are arithmetic-bound and keep cuBLAS's GEMM."""
 MAX_TILE_BLOCKS = 65535
 """Most row blocks of a tiled launch (CUDA's limit on a grid's second dimension)."""
 SPLIT_BN = 32
@@ -248,12 +233,12 @@ def _launch(
         PRECISION="ieee" if a.dtype == torch.float32 else "tf32", num_warps=4,
     )  # fmt: skip
     if geglu and rows > LOOP_ROWS:  # tiles of rows by columns (each half's, then the GeGLU)
-        n, tile = n // 2, tile_for(rows)
-        grid = (triton.cdiv(n, tile.cols), triton.cdiv(rows, tile.rows))
-        options.update(num_warps=tile.warps)
+        n = n // 2
+        grid = (triton.cdiv(n, TILE_COLS), triton.cdiv(rows, TILE_ROWS))
+        options.update(num_warps=TILE_WARPS)
         _linear_loop_kernel[grid](
-            *args[:6], n, *args[7:], GEGLU=True, BM=tile.rows, BN=tile.cols, BK=128 // a.element_size(),
-            num_stages=tile.stages, **options, **dependent_launch(a.device, grid[0] * grid[1]),
+            *args[:6], n, *args[7:], GEGLU=True, BM=TILE_ROWS, BN=TILE_COLS, BK=128 // a.element_size(),
+            num_stages=TILE_STAGES, **options, **dependent_launch(a.device, grid[0] * grid[1]),
         )  # fmt: skip
         return
     if geglu or not _whole_rows(rows, k, n):  # blocked k: every row in one program
@@ -343,15 +328,10 @@ def _blocked_rows(rows: int, k: int) -> bool:
     return k <= MAX_LOOP_K and rows <= LOOP_ROWS
 
 
-def tile_for(rows: int) -> Tile:
-    """The tile :func:`linear_geglu`'s tiled kernel runs in over ``rows`` rows (:data:`SMALL_TILE_MAX_ROWS`)."""
-    return SMALL_TILE if rows <= SMALL_TILE_MAX_ROWS else TILE
-
-
 def _tiled_rows(rows: int, k: int) -> bool:
     """Whether :func:`linear_geglu`'s tiled kernel can take a call the blocked one cannot (more
     than :data:`LOOP_ROWS` rows of inputs up to :data:`TILE_MAX_K` wide)."""
-    return k <= TILE_MAX_K and LOOP_ROWS < rows <= MAX_TILE_BLOCKS * tile_for(rows).rows
+    return k <= TILE_MAX_K and LOOP_ROWS < rows <= MAX_TILE_BLOCKS * TILE_ROWS
 
 
 def _fits(

@@ -5,8 +5,8 @@
 - ``chain``: cuBLAS's GEMM writes the ``(rows, 2m)`` gate/up product, ``kernels.gelu_mul`` reads
   it back and writes ``(rows, m)`` (what ``kernels.linear_geglu`` ran over many rows before
   its tiles);
-- ``tiles``: ``kernels.matmul``'s blocked kernel in tiles (``kernels.matmul.tile_for``), the
-  GeGLU in its epilogue, so only ``(rows, m)`` is written (forced here at every shape, also where
+- ``tiles``: ``kernels.matmul``'s blocked kernel in tiles of ``TILE_ROWS`` rows, the GeGLU in its
+  epilogue, so only ``(rows, m)`` is written (forced here at every shape, also where
   ``linear_geglu`` keeps the chain, to show where its ``TILE_MAX_K`` rule stands).
 
 For the frame encode (``frame_tokens`` rows a slot, the width and MLP) and the action expert
@@ -17,8 +17,8 @@ two outputs part (the largest difference relative to the chain's largest value, 
 of elements that differ: only the order of the GEMM's sums differs). Without a GPU the
 script times the chain's torch reference in float32 by wall clock: a smoke run, not a measurement.
 
-With ``--sweep`` the tiles are also timed at each tile of :data:`SWEEP` (rows, columns, warps,
-pipeline stages of a program: ``kernels.matmul.Tile``), to choose ``kernels.matmul.tile_for``'s.
+With ``--sweep`` the tiles are also timed at the other shapes of :data:`SWEEP` (rows, columns,
+warps, pipeline stages of a program: ``kernels.matmul.TILE_*``), to choose the kernel's.
 
     python scripts/bench_geglu.py --sweep --out bench_geglu.json
 """
@@ -42,7 +42,7 @@ from flashrt.policies import PRESETS
 from flashrt_gym.sims.tabletop import TabletopConfig
 
 SWEEP = [(128, 64, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3), (128, 128, 8, 3), (256, 64, 8, 3), (128, 32, 4, 4)]
-"""Tiles ``--sweep`` times: ``kernels.matmul.Tile(rows, cols, warps, stages)``."""
+"""Tiles ``--sweep`` times: ``(TILE_ROWS, TILE_COLS, TILE_WARPS, TILE_STAGES)``."""
 
 
 def shapes(tiny_batches: list[int], pi0_batches: list[int]) -> list[dict]:
@@ -69,14 +69,16 @@ def parting(got: torch.Tensor, want: torch.Tensor) -> tuple[float, float]:
 
 
 def with_tiles(tile: tuple[int, int, int, int], fn: Callable[[], object], calls: int, reps: int) -> float:
-    """:func:`per_call_us` of ``fn`` with ``kernels.matmul``'s tiles set to ``tile`` at every row
-    count (``tile_for`` restored after)."""
-    chosen = kl.tile_for
-    kl.tile_for = lambda rows: kl.Tile(*tile)
+    """:func:`per_call_us` of ``fn`` with ``kernels.matmul``'s tiles set to ``tile`` (restored after)."""
+    names = ("TILE_ROWS", "TILE_COLS", "TILE_WARPS", "TILE_STAGES")
+    saved = [getattr(kl, name) for name in names]
+    for name, value in zip(names, tile, strict=True):
+        setattr(kl, name, value)
     try:
         return per_call_us(fn, calls, reps)
     finally:
-        kl.tile_for = chosen
+        for name, value in zip(names, saved, strict=True):
+            setattr(kl, name, value)
 
 
 def bench(site: dict, device: str, dtype: torch.dtype, calls: int, reps: int, sweep: bool) -> dict:
@@ -97,7 +99,6 @@ def bench(site: dict, device: str, dtype: torch.dtype, calls: int, reps: int, sw
     row = {
         **site,
         "dispatch": "tiles" if kl._tiled_rows(rows, k) else "chain",
-        "tile": list(kl.tile_for(rows)),
         "flop": 4 * rows * k * m,
         "tiles_bytes": (rows * k + 2 * m * k + rows * m) * size,
         "chain_bytes": (rows * k + 2 * m * k + 2 * rows * 2 * m + rows * m) * size,
@@ -134,9 +135,7 @@ def main() -> None:
         **meta,
         "triton": None if triton is None else triton.__version__,
         "dtype": str(dtype),
-        "tile": list(kl.TILE),
-        "small_tile": list(kl.SMALL_TILE),
-        "small_tile_max_rows": kl.SMALL_TILE_MAX_ROWS,
+        "tile": [kl.TILE_ROWS, kl.TILE_COLS, kl.TILE_WARPS, kl.TILE_STAGES],
         "tile_max_k": kl.TILE_MAX_K,
         "rows": rows,
     }

@@ -135,24 +135,15 @@ def test_linear_geglu_over_few_rows_is_one_blocked_kernel(device, rows, k, m, tr
     ("rows_shape", "k", "m"),
     [((2, 100), 256, 96), ((3, 70), 192, 64), ((1, 300), 100, 40)],  # tiny's prefix and expert; ragged
 )
-@pytest.mark.parametrize("tile", ["small", "large"])
-def test_linear_geglu_over_many_narrow_rows_is_one_tiled_kernel(
-    device, rows_shape, k, m, tile, triton_on_cpu, monkeypatch
-):
+def test_linear_geglu_over_many_narrow_rows_is_one_tiled_kernel(device, rows_shape, k, m, triton_on_cpu, monkeypatch):
     """More rows than LOOP_ROWS of inputs up to TILE_MAX_K wide (tiny's layers at many slots;
-    ragged last row, column and k blocks) take the blocked kernel in tiles (SMALL_TILE over these
-    rows, TILE when SMALL_TILE_MAX_ROWS is lowered below them), one launch, and match linear then
-    gelu_mul. The same comparison fails against the halves swapped, against the product without
-    its last block of k, and against the first row block written again where the second belongs
-    (a tile that ignored its row offset)."""
-    rows = rows_shape[0] * rows_shape[1]
-    assert kl.tile_for(rows) == kl.SMALL_TILE
-    if tile == "large":
-        monkeypatch.setattr(kl, "SMALL_TILE_MAX_ROWS", kl.LOOP_ROWS)
-    bm, bn = kl.tile_for(rows).rows, kl.tile_for(rows).cols
-    assert bm == (kl.SMALL_TILE if tile == "small" else kl.TILE).rows
+    ragged last row, column and k blocks) take the blocked kernel in tiles of TILE_ROWS rows, one
+    launch, and match linear then gelu_mul. The same comparison fails against the halves swapped,
+    against the product without its last block of k, and against the first row block written
+    again where the second belongs (a tile that ignored its row offset)."""
     launches = spy_launches(monkeypatch, kl, "_linear_loop_kernel")
     g = torch.Generator(device=device).manual_seed(k + m)
+    rows = rows_shape[0] * rows_shape[1]
     for dtype in dtypes(device):
         a, w, _ = inputs(device, dtype, g, rows_shape, k, 2 * m)
         poison_allocator(device)
@@ -167,16 +158,16 @@ def test_linear_geglu_over_many_narrow_rows_is_one_tiled_kernel(
         with pytest.raises(AssertionError):
             close(got, linear_geglu_reference(a[..., :last].float(), w[:, :last].float()), dtype)
         flat, shifted = want.reshape(rows, m), want.reshape(rows, m).clone()
-        second = min(rows, 2 * bm) - bm
-        shifted[bm : bm + second] = flat[:second]
+        second = min(rows, 2 * kl.TILE_ROWS) - kl.TILE_ROWS
+        shifted[kl.TILE_ROWS : kl.TILE_ROWS + second] = flat[:second]
         with pytest.raises(AssertionError):
             close(got.reshape(rows, m), shifted, dtype)
-    grid = (-(-m // bn), -(-rows // bm))
+    grid = (-(-m // kl.TILE_COLS), -(-rows // kl.TILE_ROWS))
     assert launches == [grid] * len(dtypes(device))
     wide = torch.randn(*rows_shape, k + 8, device=device, generator=g).to(a.dtype)
     wide[..., :k] = a
     assert torch.equal(linear_geglu(wide[..., :k], w), got)  # a strided view (a slot arena's) reads as its copy
-    assert all((o["BM"], o["num_warps"]) == (bm, kl.tile_for(rows).warps) for o in launches.options)
+    assert all(o["BM"] == kl.TILE_ROWS for o in launches.options)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -188,7 +179,7 @@ def test_linear_geglu_keeps_cublas_for_wide_inputs_over_many_rows(device, triton
     dtype = dtypes(device)[0]
     for rows, k, grid in (
         (kl.LOOP_ROWS + 1, kl.TILE_MAX_K + 8, None),
-        (kl.LOOP_ROWS + 1, kl.TILE_MAX_K, (1, -(-(kl.LOOP_ROWS + 1) // kl.tile_for(kl.LOOP_ROWS + 1).rows))),
+        (kl.LOOP_ROWS + 1, kl.TILE_MAX_K, (1, 1)),
         (kl.LOOP_ROWS, 32, (2,)),
     ):
         launches.clear()
