@@ -24,8 +24,9 @@ matching gate and up rows and takes ``gelu_tanh(gate) * up`` in its epilogue, so
 product is never written (one kernel where the expert ran two). Over more rows and inputs up to
 :data:`TILE_MAX_K` wide (``tiny``'s layers at many slots) the same kernel runs in tiles of
 :data:`TILE_ROWS` rows, a grid of row blocks by column blocks: there cuBLAS's product would
-write ``(rows, 2m)`` and :func:`flashrt.kernels.gelu_mul` read it back, more bytes than the
-product has arithmetic, so leaving it in registers pays even against a faster GEMM.
+write ``(rows, 2m)`` and :func:`flashrt.kernels.gelu_mul` read it back; the tiles keep the pair
+in registers, which saves that buffer and its bytes and ties with or beats cuBLAS's faster GEMM
+at ``tiny``'s shapes (docs/PERFORMANCE.md).
 
 A blocked sweep is a chain of dependent steps a program, so its time follows the steps, not the
 rows (docs/PERFORMANCE.md). :func:`linear_partials` splits a wide input's ``k`` over several
@@ -65,9 +66,9 @@ TILE_MAX_K = 512
 """The widest input :func:`linear_geglu` takes its tiled kernel for over more than
 :data:`LOOP_ROWS` rows. Per gated output the chain moves 10 bytes
 in bf16 (the gate/up pair written and read back, the product written) for ``4k`` FLOPs, the
-tiles 2 bytes: at ``k`` up to 512 an H100's bytes cost more than its FLOPs (about 300 FLOP a
-byte), so the tiles win even at a lower FLOP rate than cuBLAS's; wider inputs (pi0's 1 024 and
-2 048) are arithmetic-bound and keep cuBLAS's GEMM."""
+tiles 2 bytes: up to this width the bytes saved make up for the tiles' lower FLOP rate than
+cuBLAS's; wider inputs (pi0's 1 024 and 2 048) are arithmetic-bound, and cuBLAS's GEMM wins
+there."""
 MAX_TILE_BLOCKS = 65535
 """Most row blocks of a tiled launch (CUDA's limit on a grid's second dimension)."""
 SPLIT_BN = 32
