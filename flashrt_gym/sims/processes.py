@@ -56,6 +56,9 @@ ATTRIBUTES = (
 )
 """The protocol's data members, read from the first shard (every shard must agree)."""
 
+OPTIONAL = ("pretrained_weights",)
+"""Data members a simulator may have (the policy trained for it), forwarded where the shards have them."""
+
 
 def _serve(conn: Connection, make: Factory, num_slots: int, first_slot: int) -> None:
     """A worker's loop: make the shard, report its attributes and identity, then run the calls
@@ -68,7 +71,9 @@ def _serve(conn: Connection, make: Factory, num_slots: int, first_slot: int) -> 
     torch.set_num_threads(1)
     try:
         sim = make(num_slots, first_slot=first_slot)
-        conn.send(("ok", ({name: getattr(sim, name) for name in ATTRIBUTES}, sim.identity())))
+        attrs = {name: getattr(sim, name) for name in ATTRIBUTES}
+        attrs |= {name: getattr(sim, name) for name in OPTIONAL if hasattr(sim, name)}
+        conn.send(("ok", (attrs, sim.identity())))
     except Exception as e:  # the parent raises it with the shard named
         conn.send(("error", e))
         return

@@ -37,6 +37,21 @@ def test_shards_cover_the_slots_and_meet_the_protocol(sharded):
     assert sharded.instructions == one.instructions and sharded.action_dim == one.action_dim
 
 
+class NamesItsPolicy(HostTabletop):
+    pretrained_weights = "the/policy/trained/for/it"
+
+
+def test_the_policy_a_shard_names_is_forwarded_and_none_is_invented(sharded):
+    """The env loads a simulator's ``pretrained_weights`` when given none: split over processes,
+    the simulator still names it (Meta-World's MT10 policy); a simulator naming none gets none."""
+    assert not hasattr(sharded, "pretrained_weights")
+    sim = Processes(PositionFree(NamesItsPolicy), 3, 2)
+    try:
+        assert sim.pretrained_weights == NamesItsPolicy.pretrained_weights
+    finally:
+        sim.close()
+
+
 def test_through_the_env_two_processes_give_one_processs_bytes(sharded):
     """Steps with autoresets, a snapshot restored and a fork into slots of both shards: the bytes of
     the simulator in this process. Mutation: a shard handed the wrong slots' actions departs."""
