@@ -30,6 +30,7 @@ import json
 import logging
 import multiprocessing
 import os
+import sys
 from concurrent.futures import ProcessPoolExecutor
 from itertools import count
 from pathlib import Path
@@ -37,6 +38,7 @@ from typing import Any
 
 import pretrain_policy
 import torch
+from benchlib import provenance
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 from tqdm import tqdm
@@ -184,6 +186,8 @@ def main(argv: list[str] | None = None) -> dict:
     task = seen["task"]
     test = score(best["weights"], task, cfg, seen["device"], TEST_SEED)
     result = {
+        "machine": provenance(),
+        "argv": argv if argv is not None else sys.argv[1:],
         "tasks": list(task.tasks),
         "episodes_per_task": cfg.eval_episodes,
         "ceiling": args.ceiling,

@@ -160,6 +160,7 @@ def test_collect_pretrain_choose_and_test_end_to_end(tmp_path, monkeypatch):
     assert calls == [*validation, ("step-2", TEST_SEED)]  # every choice on validation, then one test run
     assert result["chosen"]["step"] == 2 and set(result["test"]) == {*TASK.tasks, "mean"}
     assert json.loads((tmp_path / "base.json").read_text()) == result
+    assert result["argv"] == [*args, *overrides, "device=cpu"] and result["machine"]["torch"] == torch.__version__
     model, _ = load(tmp_path / "pretrain" / "step-2")
     assert model.cfg.vocab == tuple(TASK.vocabulary) and model.cfg.action_dim == model.cfg.proprio_dim == 4
     data, task = load_shards(tmp_path / "demos")
