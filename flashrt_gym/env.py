@@ -86,7 +86,8 @@ class FlashRTVectorEnv(VectorEnv):
     simulator: a callable that takes ``num_envs`` and returns a fresh simulator, in-graph
     (:class:`~flashrt_gym.simulator.Simulator`) or external (:class:`~flashrt_gym.simulator.ExternalSimulator`)
     (default: the tabletop of ``task``). weights: a policy folder (default: the simulator's
-    ``pretrained_weights`` where it names one, else the shipped tabletop ``tiny`` policy).
+    ``pretrained_weights`` where it has one, else the shipped tabletop ``tiny`` policy; a simulator
+    whose ``pretrained_weights`` is None, as Meta-World's outside MT10, needs weights: ValueError).
     precision: ``"native"`` (the weights' own dtype, bf16 on a GPU: exact) or ``"fp8"`` (the
     policy's large projections as e4m3 GEMMs, :meth:`flashrt.policies.FlowPolicy.set_precision`;
     within the tolerance docs/FP8.md states, and emulated where the GPU has no FP8).
@@ -142,7 +143,13 @@ class FlashRTVectorEnv(VectorEnv):
         if simulator is not None and task is not None:
             raise ValueError("pass task (the built-in tabletop's options) or simulator, not both")
         sim = simulator(self.num_envs) if simulator is not None else Tabletop(as_tabletop_config(task))
-        weights = weights or getattr(sim, "pretrained_weights", None) or TINY
+        if weights is None:  # the policy trained for the simulator, else the tabletop's
+            weights = getattr(sim, "pretrained_weights", TINY)
+            if weights is None:
+                raise ValueError(
+                    f"no shipped policy knows this simulator's instructions {sim.instructions}: pass weights= a "
+                    "policy folder trained on them (scripts/metaworld_pretrain.py --tasks ... makes one for Meta-World)"
+                )
         dtype = policy_dtype(self.device)
         model, weights_id = load(Path(weights), device=self.device, dtype=dtype, precision=precision)
         self.engine = Engine(

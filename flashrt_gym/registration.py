@@ -27,7 +27,8 @@ from flashrt_gym.single import FlashRTEnv
 
 
 def register_simulator(env_id: str, simulator: Callable[[], Simulator | ExternalSimulator], **defaults: Any) -> None:
-    """Register ``env_id`` with Gymnasium: a VLA (``weights=``, default the shipped ``tiny``)
+    """Register ``env_id`` with Gymnasium: a VLA (``weights=``, default the simulator's
+    ``pretrained_weights``, else the shipped ``tiny``)
     steering the simulator ``simulator(num_envs)`` makes (a fresh one per env), with the capsule verbs.
     ``gymnasium.make(env_id)`` gives the one-slot :class:`FlashRTEnv`, ``gymnasium.make_vec(env_id,
     num_envs=N)`` the :class:`FlashRTVectorEnv`; ``defaults`` are env arguments either may override.

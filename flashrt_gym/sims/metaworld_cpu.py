@@ -24,6 +24,7 @@ import sys
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from importlib.metadata import version
+from pathlib import Path
 from typing import Any
 
 if sys.platform.startswith("linux"):  # MuJoCo picks its OpenGL backend when it is first imported
@@ -32,6 +33,7 @@ if sys.platform.startswith("linux"):  # MuJoCo picks its OpenGL backend when it 
 import mujoco
 import numpy as np
 
+from flashrt_gym.assets import TINY_METAWORLD
 from flashrt_gym.sims.metaworld_state import (
     Views,
     dump_fields,
@@ -178,6 +180,12 @@ class MetaWorld:
         env._partially_observable = False
         vars(env).pop("sawyer_observation_space", None)  # a cached property of the observability
         return env
+
+    @property
+    def pretrained_weights(self) -> Path | None:
+        """The policy the env loads when it is given no weights: the tiny VLA cloned on MT10 where
+        every task is one of MT10's, else None (no shipped policy knows the others' instructions)."""
+        return TINY_METAWORLD if set(self.task_names) <= set(task_names("MT10")) else None
 
     def identity(self) -> str:
         """Meta-World's and MuJoCo's versions, the tasks, the camera and the row layout."""

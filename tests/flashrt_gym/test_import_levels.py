@@ -33,7 +33,7 @@ LEVELS: dict[str, int] = {
     "flashrt_gym.assets": 1,
     "flashrt_gym.env_config": 1,
     "flashrt_gym.learners.*": 1,
-    "flashrt_gym.sims.metaworld_cpu": 1,
+    "flashrt_gym.sims.metaworld_cpu": 2,
     "flashrt_gym.sims.tabletop.tabletop": 1,
     "flashrt_gym.sims.tabletop": 2,
     "flashrt_gym.sims.push.task": 2,

@@ -222,8 +222,8 @@ def test_task_tables_and_registered_ids_match_metaworld():
 
 @pytest.fixture(scope="module")
 def micro_metaworld(tmp_path_factory) -> str:
-    """A random one-layer policy of Meta-World's shapes (4-D actions and proprioception, the
-    instructions' words): Meta-World has no trained policy of this project's yet."""
+    """A random one-layer policy of Meta-World's shapes (4-D actions and proprioception, all 50
+    tasks' words): fast, and for any task (the shipped MT10 policy is tested in test_pretrained.py)."""
     from dataclasses import replace
 
     import torch
@@ -239,6 +239,17 @@ def micro_metaworld(tmp_path_factory) -> str:
     )  # fmt: skip
     torch.manual_seed(0)
     return str(save(FlowPolicy(cfg), tmp_path_factory.mktemp("micro_metaworld")))
+
+
+def test_mt10_tasks_name_the_shipped_policy_and_other_tasks_must_bring_weights():
+    """The env loads the shipped MT10 policy for MT10 and each of its tasks when given no weights;
+    no shipped policy knows the instructions of the other 40 tasks, and the env asks for weights."""
+    from flashrt_gym.assets import TINY_METAWORLD
+
+    assert MetaWorld(2).pretrained_weights == MetaWorld(1, tasks="reach-v3").pretrained_weights == TINY_METAWORLD
+    assert MetaWorld(1, tasks=["reach-v3", "basketball-v3"]).pretrained_weights is None
+    with pytest.raises(ValueError, match="dunk the ball into the basket.*pass weights="):
+        gym.make("FlashRT-MetaWorld-basketball-v0", device="cpu")
 
 
 def test_registered_ids_pass_gymnasiums_env_checker_and_step_as_vector_envs(micro_metaworld):
