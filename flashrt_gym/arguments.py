@@ -47,6 +47,37 @@ def slot_list(slots: Any, num_envs: int, what: str) -> list[int]:
     return out
 
 
+SEED_MAX = 2**62
+"""Seeds are ints in [0, SEED_MAX]: slot streams fold them with their index into 64 bits."""
+
+
+def reset_seeds(seed: Any, num_envs: int) -> int | np.ndarray | None:
+    """``reset``'s ``seed`` checked: None, an int (slot i uses ``seed + i``), or one int a slot, as
+    Gymnasium's vector envs take it (a list of ``num_envs``, repeats allowed: slots that share a
+    seed share their start).
+
+    Returns:
+        None, the int, or an int64 array (num_envs,).
+
+    Raises:
+        ValueError: another type, a list of another length, or a seed out of range.
+    """
+    if seed is None:
+        return None
+    if isinstance(seed, (int, np.integer)) and not isinstance(seed, bool):
+        if not 0 <= int(seed) <= SEED_MAX - num_envs:
+            raise ValueError(f"seed must be an int in [0, 2**62 - num_envs] (slot i uses seed + i), got {seed!r}")
+        return int(seed)
+    items = seed.tolist() if isinstance(seed, (np.ndarray, torch.Tensor)) else seed
+    valid = isinstance(items, (list, tuple)) and len(items) == num_envs
+    if not valid or any(isinstance(s, bool) or not isinstance(s, int) or not 0 <= s <= SEED_MAX for s in items):
+        raise ValueError(
+            f"seed must be an int (slot i uses seed + i) or a list of {num_envs} ints in [0, 2**62] (one a slot), "
+            f"got {seed!r:.80}"
+        )
+    return np.asarray(items, dtype=np.int64)
+
+
 def check_actions(a: np.ndarray | torch.Tensor, want: tuple[int, ...], repeated: bool) -> None:
     """Actions of shape ``want`` (num_envs, action size) and a floating dtype."""
     if tuple(a.shape) != want:

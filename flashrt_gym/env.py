@@ -191,16 +191,19 @@ class FlashRTVectorEnv(VectorEnv):
         ]
 
     # -- Gymnasium API -------------------------------------------------------------------------
-    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[Obs, dict[str, Any]]:
+    def reset(
+        self, *, seed: int | Sequence[int] | None = None, options: dict[str, Any] | None = None
+    ) -> tuple[Obs, dict[str, Any]]:
         """Start episodes. ``seed``: slot i restarts from the stream of seed ``seed + i`` (a
-        repeated seed restores its kept starts); without one, every slot starts the next episode
-        of its own stream. ``options["reset_mask"]`` (bool (num_envs,)): only those slots."""
+        repeated seed restores its kept starts), or, given one seed a slot (a list of ``num_envs``
+        ints, as Gymnasium's vector envs take), from the stream of ``seed[i]``: slots given one
+        seed start alike; without one, every slot starts the next episode of its own stream.
+        ``options["reset_mask"]`` (bool (num_envs,)): only those slots."""
         self._check_open()
-        if seed is not None:
-            valid = isinstance(seed, (int, np.integer)) and not isinstance(seed, bool)
-            if not valid or not 0 <= int(seed) <= 2**62 - self.num_envs:
-                raise ValueError(f"seed must be an int in [0, 2**62 - num_envs] (slot i uses seed + i), got {seed!r}")
-            seed = int(seed)
+        seed = arguments.reset_seeds(seed, self.num_envs)
+        per_slot = seed if isinstance(seed, np.ndarray) else None
+        if per_slot is not None:
+            seed = int(per_slot[0])  # the env's own generator (Gymnasium's np_random) takes one int
         super().reset(seed=seed)
         unknown = sorted(set(options or {}) - {"reset_mask"})
         if unknown:
@@ -215,12 +218,15 @@ class FlashRTVectorEnv(VectorEnv):
         if seed is None and not self.started:
             seed = int(self.np_random.integers(0, 2**62 - self.num_envs))
         seeds = None if seed is None else torch.arange(self.num_envs, device=self.device) + seed
-        cached = self.starts.get(seed) if seed is not None and mask is None else None
+        if per_slot is not None:
+            seeds = torch.as_tensor(per_slot, device=self.device)
+        keep = seed is not None and per_slot is None and mask is None  # the kept starts are by int seed
+        cached = self.starts.get(seed) if keep else None
         if cached is not None:
             self.engine.restore(cached, check=False)  # made by this env's own start
         else:
             self.engine.start(seeds, mask)
-            if seed is not None and mask is None:
+            if keep:
                 self.starts.put(seed, self.engine.snapshot())
         self.started = True
         self.waiting[mask.cpu().numpy() if mask is not None else slice(None)] = False

@@ -82,9 +82,30 @@ def test_slot_i_of_seed_s_is_the_episode_stream_of_seed_s_plus_i():
     assert np.array_equal(four.reset()[0][2], one.reset()[0][0])  # the next episode of the stream
     c, _ = four.reset(seed=8)
     assert not np.array_equal(a, c)
-    for bad in ([1, 2, 3, 4], -1, 2**64, True, 1.5):
+    for bad in ([1, 2, 3], [1, 2, 3, -1], [1, 2, 3, 1.5], [1, 2, 3, True], "1234", -1, 2**64, True, 1.5):
         with pytest.raises(ValueError, match="seed must be an int"):
             four.reset(seed=bad)
+
+
+def test_one_seed_a_slot_starts_each_slot_from_its_own_seed():
+    """Gymnasium's list form: ``reset(seed=[s0, ..., s3])`` starts slot i as slot 0 of
+    ``reset(seed=si)``; ``[s, s + 1, ...]`` is ``reset(seed=s)`` byte for byte; slots given one seed
+    start alike (a search's candidates from one start) and play alike under equal actions. The
+    mutation: a list read as its first seed (``reset(seed=s0)``) departs."""
+    four, one = make(4), make(1)
+    firsts = [one.reset(seed=s)[0][0] for s in (11, 5, 5, 20)]
+    listed, _ = four.reset(seed=[11, 5, 5, 20])
+    assert all(np.array_equal(listed[i], firsts[i]) for i in range(4))
+    assert not np.array_equal(listed, four.reset(seed=11)[0])
+    zero = [np.zeros((4, 16), np.float32)] * 3
+    four.reset(seed=[5, 6, 7, 8])
+    listed_run = rollout(four, zero)
+    four.reset(seed=5)
+    assert same(listed_run, rollout(four, zero))
+    alike, _ = four.reset(seed=np.array([9, 9, 9, 9]))
+    assert all(np.array_equal(alike[0], row) for row in alike[1:])
+    obs = rollout(four, zero)[-1][0]
+    assert all(np.array_equal(obs[0], row) for row in obs[1:])
 
 
 def test_a_repeated_seed_restores_its_kept_starts_and_a_budget_of_zero_keeps_none():
