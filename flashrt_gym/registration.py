@@ -5,7 +5,8 @@ Importing :mod:`flashrt_gym` imports this module once, which registers:
 - ``FlashRT-VLA``: the shipped ``tiny`` policy on the built-in tabletop;
 - ``FlashRT-MuJoCoPush`` (MuJoCo's C library) and ``FlashRT-MuJoCoWarpPush`` (MuJoCo Warp): the
   push task of :mod:`flashrt_gym.sims`;
-- ``FlashRT-MetaWorld-MT10-v0`` and ``FlashRT-MetaWorld-<task>-v0`` (MT1) for each Meta-World task.
+- ``FlashRT-MetaWorld-MT10-v0`` and ``FlashRT-MetaWorld-<task>-v0`` (MT1) for each Meta-World task,
+  episodes of 50 chunks (:data:`flashrt_gym.sims.metaworld_tasks.EPISODE_STEPS`).
 
 No simulator library (``mujoco``, ``warp``, ``metaworld``) is imported until an env is made.
 """
@@ -21,6 +22,7 @@ import gymnasium
 from flashrt_gym.env import FlashRTVectorEnv
 from flashrt_gym.env_config import MAX_EPISODE_STEPS
 from flashrt_gym.sims import metaworld, mujoco_push, warp_push
+from flashrt_gym.sims.metaworld_tasks import EPISODE_STEPS as METAWORLD_EPISODE_STEPS
 from flashrt_gym.sims.metaworld_tasks import INSTRUCTIONS as METAWORLD_TASKS
 from flashrt_gym.simulator import ExternalSimulator, Simulator, check_simulator
 from flashrt_gym.single import FlashRTEnv
@@ -71,6 +73,8 @@ def register_builtins() -> None:
     )
     register_simulator("FlashRT-MuJoCoPush", mujoco_push)
     register_simulator("FlashRT-MuJoCoWarpPush", warp_push)
-    register_simulator("FlashRT-MetaWorld-MT10-v0", functools.partial(metaworld, tasks="MT10"))
+    long = {"max_episode_steps": METAWORLD_EPISODE_STEPS}
+    register_simulator("FlashRT-MetaWorld-MT10-v0", functools.partial(metaworld, tasks="MT10"), **long)
     for task in METAWORLD_TASKS:  # FlashRT-MetaWorld-reach-v0 runs Meta-World's reach-v3 (MT1)
-        register_simulator(f"FlashRT-MetaWorld-{task.removesuffix('-v3')}-v0", functools.partial(metaworld, tasks=task))
+        name = f"FlashRT-MetaWorld-{task.removesuffix('-v3')}-v0"
+        register_simulator(name, functools.partial(metaworld, tasks=task), **long)

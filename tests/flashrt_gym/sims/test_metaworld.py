@@ -27,7 +27,7 @@ from flashrt_gym.sims.metaworld_state import (
     write_fields,
     write_model_rows,
 )
-from flashrt_gym.sims.metaworld_tasks import INSTRUCTIONS, MT10
+from flashrt_gym.sims.metaworld_tasks import EPISODE_STEPS, INSTRUCTIONS, MT10
 
 N = len(MT10)
 
@@ -218,6 +218,9 @@ def test_task_tables_and_registered_ids_match_metaworld():
     ids = set(gym.registry)
     assert "FlashRT-MetaWorld-MT10-v0" in ids
     assert all(f"FlashRT-MetaWorld-{n.removesuffix('-v3')}-v0" in ids for n in INSTRUCTIONS)
+    ours = [i for i in ids if i.startswith("FlashRT-MetaWorld-")]
+    assert len(ours) == 51 and {gym.spec(i).max_episode_steps for i in ours} == {EPISODE_STEPS}
+    assert gym.spec("FlashRT-MetaWorld-MT10-v0").vector_entry_point.keywords["max_episode_steps"] == EPISODE_STEPS == 50
 
 
 @pytest.fixture(scope="module")
