@@ -6,16 +6,15 @@ Rows, at each ``--sizes`` (default 1 and 64 slots; slot i runs MT10 task i % 10)
 slots are skipped):
 
 - ``sim``: :class:`~flashrt_gym.sims.MetaWorld` alone, chunks of 4 Meta-World steps under
-  uniform random actions, a slot reset (Meta-World's ``reset``) when it succeeds or after 40
-  chunks; each chunk also takes every slot's state row (``get_state``), as the env's hand-off
+  uniform random actions, a slot reset (Meta-World's ``reset``) when it succeeds or after 50
+  chunks (the ids' episode length); each chunk also takes every slot's state row (``get_state``), as the env's hand-off
   does. Sustained chunks/s over the run's wall time, p50 / p99 / max ms a chunk.
 - ``render``: the camera's frames/s (``render()`` of every slot, one thread), at 64 px.
 - ``env``: ``FlashRTVectorEnv`` through the public ``step()`` with noise actions uniform in the
-  box (``max_episode_steps`` 40, so slots autoreset at their natural times), on ``--device``:
+  box (``max_episode_steps`` 50, so slots autoreset at their natural times), on ``--device``:
   eager on the CPU, or the policy's captured graphs on a GPU with the physics on the CPU threads
   (the GPU machine's setting). The policy is ``--weights`` (a Meta-World policy: 4-D actions and
-  proprioception), by default a random ``tiny`` of Meta-World's shapes (the instructions' words):
-  the same compute.
+  proprioception), by default the shipped MT10 policy.
 
 With ``--frames PATH``, a PNG of the camera's first frame of each MT10 task (the policy's
 resolution, each pixel drawn 3x3) is written there too.
@@ -35,21 +34,17 @@ import json
 import os
 import platform
 import statistics
-import tempfile
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import torch
 from benchlib import commit, cpu_model
 
-from flashrt.policies import FlowPolicy, save
-from flashrt.policies.config import tiny
 from flashrt.runtime import atomic_write
 from flashrt_gym import FlashRTVectorEnv
 from flashrt_gym.sims import MetaWorld, metaworld
-from flashrt_gym.sims.metaworld_tasks import INSTRUCTIONS
+from flashrt_gym.sims.metaworld_tasks import EPISODE_STEPS
 
 
 def timed(step, steps: int, warmup: int, budget_s: float, slots: int) -> dict:
@@ -88,7 +83,7 @@ def bench_sim(n: int, threads: int, processes: int, args: argparse.Namespace) ->
         sim.run_ticks(rng.uniform(-1, 1, (n, 4, 4)))
         sim.get_state()
         chunks[:] += 1
-        done = sim.success() | (chunks >= 40)
+        done = sim.success() | (chunks >= EPISODE_STEPS)
         if done.any():
             sim.reset(done)
             chunks[done] = 0
@@ -111,10 +106,10 @@ def bench_render(n: int, args: argparse.Namespace) -> dict:
     return {"first_render_s": first, "frames_per_s": row["sustained_chunks_per_s"], "ms_per_call": row["mean_ms"]}
 
 
-def bench_env(n: int, threads: int, processes: int, weights: str, args: argparse.Namespace) -> dict:
+def bench_env(n: int, threads: int, processes: int, weights: str | None, args: argparse.Namespace) -> dict:
     t = time.perf_counter()
     simulator = functools.partial(metaworld, tasks="MT10", threads=threads, processes=processes)
-    env = FlashRTVectorEnv(n, simulator=simulator, weights=weights, device=args.device, max_episode_steps=40)
+    env = FlashRTVectorEnv(n, simulator=simulator, weights=weights, device=args.device, max_episode_steps=EPISODE_STEPS)
     env.reset(seed=0)
     built = time.perf_counter() - t
     rng = np.random.default_rng(0)
@@ -142,13 +137,6 @@ def save_frames(path: Path, size: int) -> None:
     imsave(path, strip)
 
 
-def metaworld_tiny(folder: str) -> str:
-    """A random ``tiny`` policy of Meta-World's shapes, saved into ``folder``."""
-    vocab = sorted({w for text in INSTRUCTIONS.values() for w in text.split()})
-    torch.manual_seed(0)
-    return str(save(FlowPolicy(replace(tiny(vocab), action_dim=4, proprio_dim=4)), folder))
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", type=int, nargs="+", default=[1, 64])
@@ -161,7 +149,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")) / "bench_metaworld.json")
     ap.add_argument("--frames", type=Path, default=None, help="write the MT10 tasks' first frames here (PNG)")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the env's policy runs")
-    ap.add_argument("--weights", default=None, help="a Meta-World policy's folder (default: a random tiny)")
+    ap.add_argument("--weights", default=None, help="a Meta-World policy's folder (default: the shipped MT10 one)")
     args = ap.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA GPU here; run the env rows on the CPU (--device cpu)")
@@ -190,17 +178,15 @@ def main() -> None:
         print(json.dumps(row), flush=True)
         atomic_write(args.out, lambda f: f.write((json.dumps(result, indent=1) + "\n").encode()))
 
-    with tempfile.TemporaryDirectory() as folder:
-        weights = args.weights or (metaworld_tiny(folder) if "env" in args.rows else "")
-        for n in args.sizes:
-            if "render" in args.rows:
-                record("render", n, 1, 1, bench_render, n, args)
-            for processes in (p for p in args.processes if p <= n):
-                for threads in args.threads:
-                    if "sim" in args.rows:
-                        record("sim", n, threads, processes, bench_sim, n, threads, processes, args)
-                    if "env" in args.rows:
-                        record("env", n, threads, processes, bench_env, n, threads, processes, weights, args)
+    for n in args.sizes:
+        if "render" in args.rows:
+            record("render", n, 1, 1, bench_render, n, args)
+        for processes in (p for p in args.processes if p <= n):
+            for threads in args.threads:
+                if "sim" in args.rows:
+                    record("sim", n, threads, processes, bench_sim, n, threads, processes, args)
+                if "env" in args.rows:
+                    record("env", n, threads, processes, bench_env, n, threads, processes, args.weights, args)
 
 
 if __name__ == "__main__":
