@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# The main job on Meta-World's MT10 (configs/experiment/metaworld_mt10.yaml), on one GPU machine
+# whose CPU cores step the physics, in two stages:
+#
+# 1. Choose the action mode on the validation starts: FastSAC over the VLA's noise (env=noise) and
+#    residual FastSAC (env=residual), seed 0 of each, side by side for CHOICE_S seconds (default
+#    240), each with half the cores' worker processes; scripts/aggregate.py names the better by its
+#    last validation evaluation (<out>/choice/summary.md).
+# 2. The chosen mode over seeds 0-4 ($SEEDS) side by side for RUN_S seconds each (default 420),
+#    the cores split between them: scripts/headline.sh, then scripts/aggregate.py's IQM over the
+#    seeds on the test starts with the per-task table beside the base policy (<out>/main/).
+#
+#   bash scripts/metaworld_main.sh [out_dir] [override ...]
+#
+# out_dir defaults to $OUT/metaworld_mt10 when $OUT is set, else multirun/metaworld_mt10; further
+# Hydra overrides go to every run. With the defaults it ends within ~16 minutes (each stage's runs
+# stop RUN_S / CHOICE_S after launch, then evaluate on 1 024 test starts).
+set -euo pipefail
+out=${1:-${OUT:+$OUT/metaworld_mt10}}
+out=${out:-multirun/metaworld_mt10}
+extra=("${@:2}")
+py=${PYTHON:-$(command -v python || command -v python3)}
+cores=$(nproc)
+read -r -a seeds <<<"${SEEDS:-0 1 2 3 4}"
+per_run=$((cores / ${#seeds[@]} > 0 ? cores / ${#seeds[@]} : 1))
+
+mkdir -p "$out/choice"
+for mode in noise residual; do
+  SEEDS=0 NAME=$mode bash scripts/headline.sh "$out/choice/$mode" "${CHOICE_S:-240}" experiment=metaworld_mt10 \
+    env=$mode task.processes=$((cores / 2 > 0 ? cores / 2 : 1)) "${extra[@]}" >"$out/choice/$mode.log" 2>&1 &
+done
+wait
+"$py" scripts/aggregate.py "$out/choice" | tee "$out/choice.txt"
+mode=$(sed -n 's/^best on validation: \([a-z]*\) .*/\1/p' "$out/choice.txt")
+if [ -z "$mode" ]; then
+  echo "no choice: a mode's run has no validation evaluation (see $out/choice/*.log and its runs' logs)" >&2
+  exit 1
+fi
+echo "chosen on validation: env=$mode"
+SEEDS="${seeds[*]}" NAME=$mode bash scripts/headline.sh "$out/main" "${RUN_S:-420}" experiment=metaworld_mt10 \
+  env="$mode" task.processes="$per_run" "${extra[@]}"

@@ -1,0 +1,53 @@
+"""scripts/metaworld_main.sh's protocol with a stand-in interpreter (no training): both action modes
+run seed 0 side by side, the mode aggregate.py names best on validation then runs every seed, and
+with no mode named the script stops and says why."""
+
+import os
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+FAKE = """#!/usr/bin/env bash
+case "$1" in
+  scripts/train.py) echo "train ${*:2}" >> "$LOG" ;;
+  scripts/aggregate.py)
+    echo "aggregate $2" >> "$LOG"
+    case "$2" in */choice) [ -n "$BEST" ] && echo "best on validation: $BEST (report its test figure)" ;; esac ;;
+esac
+exit 0
+"""
+
+
+def run(tmp_path: Path, best: str) -> tuple[subprocess.CompletedProcess, list[str]]:
+    fake, log = tmp_path / "python", tmp_path / f"log_{best}"
+    fake.write_text(FAKE)
+    fake.chmod(0o755)
+    env = {**os.environ, "PYTHON": str(fake), "LOG": str(log), "BEST": best, "CHOICE_S": "3", "RUN_S": "4"}
+    cmd = ["bash", "scripts/metaworld_main.sh", str(tmp_path / f"out_{best}"), "agent.kwargs.lr=1e-4"]
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    return done, log.read_text().split("\n")[:-1] if log.exists() else []
+
+
+def test_the_mode_best_on_validation_runs_every_seed(tmp_path):
+    done, events = run(tmp_path, "residual")
+    assert done.returncode == 0, done.stderr
+    cut = events.index(f"aggregate {tmp_path / 'out_residual' / 'choice'}") + 1
+    choice, main = events[:cut], events[cut:]  # each mode's headline aggregates its own folder too
+    trains = sorted(e for e in choice if e.startswith("train"))
+    assert [("env=noise" in t, "env=residual" in t, "seed=0" in t, "time_limit_s=3" in t) for t in trains] == [
+        (True, False, True, True),
+        (False, True, True, True),
+    ]
+    assert all("experiment=metaworld_mt10" in t and "agent.kwargs.lr=1e-4" in t for t in trains)
+    assert all(e.startswith("train") for e in choice[:2])  # both modes started before either was aggregated
+    runs = [e for e in main if e.startswith("train")]
+    assert sorted(e.split()[1] for e in runs) == [f"seed={s}" for s in range(5)]
+    assert all("env=residual" in e and "time_limit_s=4" in e and "task.processes=" in e for e in runs)
+    assert main[-1] == f"aggregate {tmp_path / 'out_residual' / 'main'}"
+    assert "chosen on validation: env=residual" in done.stdout
+
+
+def test_no_mode_named_stops_before_the_seeds(tmp_path):
+    done, events = run(tmp_path, "")
+    assert done.returncode != 0 and "no choice" in done.stderr
+    assert not any("seed=1" in e for e in events)
