@@ -440,7 +440,9 @@ def renderer(task: str, model: mujoco.MjModel, size: int) -> mujoco.Renderer:
     """The process's renderer of Meta-World task ``task`` at ``size`` px, made once (an OpenGL
     context and the scene's textures take about a second on a CPU) from a copy of ``model`` with
     shadows, reflections and multisampling off. Any slot of the task renders through it: the
-    scene is drawn from the slot's ``MjData``; the copy gives the geoms' shapes and colours.
+    scene is drawn from the slot's ``MjData``; the copy gives the geoms' shapes and colours. With
+    shadows off the context needs no shadow map (Meta-World asks for a 4 096-px one, 64 MB a
+    task and process) and no offscreen buffer beyond the frame (it asks for 640x480).
 
     Raises:
         RuntimeError: MuJoCo has no OpenGL backend to render with (named with the fix).
@@ -448,6 +450,8 @@ def renderer(task: str, model: mujoco.MjModel, size: int) -> mujoco.Renderer:
     if (task, size) not in _RENDERERS:
         model = copy.deepcopy(model)
         model.vis.quality.offsamples = 0
+        model.vis.quality.shadowsize = 0
+        model.vis.global_.offwidth = model.vis.global_.offheight = size
         try:
             r = mujoco.Renderer(model, size, size)
         except (mujoco.FatalError, ImportError) as e:  # no OpenGL context, or no backend library

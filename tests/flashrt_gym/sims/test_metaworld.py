@@ -290,6 +290,27 @@ def test_threads_step_the_same_bytes_as_one():
     assert runs[0] == runs[1]
 
 
+def test_the_lean_renderer_draws_the_frames_of_meta_worlds_full_context():
+    """The renderer drops the shadow map and the 640x480 offscreen buffer Meta-World's models ask
+    for (shadows are off): every pixel is what a context with both draws, on three MT10 tasks."""
+    import copy
+
+    sim = MetaWorld(3)
+    sim.seed(np.arange(3) + 7)
+    sim.reset()
+    lean = sim.render()[:, 0]
+    for i, env in enumerate(sim.envs):
+        r, cam, _ = sim._renderer(i)
+        assert r.model.vis.quality.shadowsize == 0 and env.model.vis.quality.shadowsize == 4096
+        model = copy.deepcopy(env.model)
+        model.vis.quality.offsamples = 0
+        full = mujoco.Renderer(model, sim.image_size, sim.image_size)
+        full.scene.flags[mujoco.mjtRndFlag.mjRND_SHADOW] = full.scene.flags[mujoco.mjtRndFlag.mjRND_REFLECTION] = 0
+        full.update_scene(env.data, cam)
+        assert np.array_equal(full.render(), lean[i])
+        full.close()
+
+
 def test_upside_down_scene_cameras_are_turned_the_right_way_up():
     """The scenes' ``corner`` cameras look with their image's up axis pointing down: their frames
     come turned by 180 degrees (the raw frame differs), the ``topview`` camera's as rendered."""
