@@ -8,7 +8,9 @@ slots are skipped):
 - ``sim``: :class:`~flashrt_gym.sims.MetaWorld` alone, chunks of 4 Meta-World steps under
   uniform random actions, a slot reset (Meta-World's ``reset``) when it succeeds or after 50
   chunks (the ids' episode length); each chunk also takes every slot's state row (``get_state``), as the env's hand-off
-  does. Sustained chunks/s over the run's wall time, p50 / p99 / max ms a chunk.
+  does. Sustained chunks/s over the run's wall time, p50 / p99 / max ms a chunk, and the
+  simulator's host memory (``host_MB``: what it added to this process, or its worker processes'
+  whole resident memory).
 - ``render``: the camera's frames/s (``render()`` of every slot, one thread), at 64 px.
 - ``env``: ``FlashRTVectorEnv`` through the public ``step()`` with noise actions uniform in the
   box (``max_episode_steps`` 50, so slots autoreset at their natural times), on ``--device``:
@@ -69,7 +71,13 @@ def timed(step, steps: int, warmup: int, budget_s: float, slots: int) -> dict:
     }
 
 
+def rss_mb(pid: int | str = "self") -> float:
+    """A process's resident host memory, MB (Linux's ``/proc/<pid>/statm``)."""
+    return int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
 def bench_sim(n: int, threads: int, processes: int, args: argparse.Namespace) -> dict:
+    before = rss_mb()
     t = time.perf_counter()
     sim = metaworld(n, "MT10", threads=threads, processes=processes)
     built = time.perf_counter() - t
@@ -90,6 +98,8 @@ def bench_sim(n: int, threads: int, processes: int, args: argparse.Namespace) ->
             resets[0] += int(done.sum())
 
     row = {"build_s": built} | timed(step, args.steps, args.warmup, args.budget_s, n)
+    # the simulator's host memory: its workers' whole resident sets, or what it added to this process
+    row["host_MB"] = sum(rss_mb(pid) for pid in sim.pids) if processes > 1 else rss_mb() - before
     if processes > 1:
         sim.close()
     return row | {"slots_reset": resets[0]}

@@ -168,6 +168,11 @@ class Processes:
         """Worker processes (shards)."""
         return len(self._procs)
 
+    @property
+    def pids(self) -> list[int]:
+        """The worker processes' ids, in shard order (to watch their memory and load)."""
+        return [int(p.pid) for p in self._procs]
+
     def close(self) -> None:
         """End the workers (also done when the simulator is collected or the process exits)."""
         self._finalizer()

@@ -25,6 +25,7 @@ def test_the_sim_and_env_rows_are_written(tmp_path):
     got = [(r["row"], r["slots"], r["threads"], r["processes"]) for r in rows]
     assert got == [("sim", 2, 1, 1), ("env", 2, 1, 1), ("sim", 2, 1, 2), ("env", 2, 1, 2)]
     assert all(r["steps"] == 2 and r["sustained_chunks_per_s"] > 0 for r in rows)
+    assert all(r["host_MB"] > 0 for r in rows if r["row"] == "sim")  # a process's growth, or two workers' sets
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here")

@@ -2,6 +2,9 @@
 the env it steps, autoresets and restores the bytes one process gives; a shard's failures are named.
 (Meta-World's shards, and set_state's all-or-nothing across shards, are in test_metaworld.py.)"""
 
+import os
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -32,6 +35,8 @@ def sharded():
 def test_shards_cover_the_slots_and_meet_the_protocol(sharded):
     assert isinstance(sharded, ExternalSimulator)
     assert sharded.bounds.tolist() == [0, 2, 5] and sharded.processes == 2
+    assert len(set(sharded.pids)) == 2 and os.getpid() not in sharded.pids
+    assert all(Path(f"/proc/{pid}").exists() for pid in sharded.pids) or not Path("/proc/self").exists()
     one = HostTabletop(5)
     assert sharded.identity() == one.identity() and sharded.state_nbytes == one.state_nbytes
     assert sharded.instructions == one.instructions and sharded.action_dim == one.action_dim
