@@ -11,7 +11,8 @@ slots are skipped):
   does. Sustained chunks/s over the run's wall time, p50 / p99 / max ms a chunk, and the
   simulator's host memory (``host_MB``: what it added to this process, or its worker processes'
   whole resident memory).
-- ``render``: the camera's frames/s (``render()`` of every slot, one thread), at 64 px.
+- ``render``: the camera's frames/s (``render()`` of every slot, one thread), at 64 px, and the
+  host memory its renderers took (one a task: ten for MT10).
 - ``env``: ``FlashRTVectorEnv`` through the public ``step()`` with noise actions uniform in the
   box (``max_episode_steps`` 50, so slots autoreset at their natural times), on ``--device``:
   eager on the CPU, or the policy's captured graphs on a GPU with the physics on the CPU threads
@@ -109,11 +110,16 @@ def bench_render(n: int, args: argparse.Namespace) -> dict:
     sim = MetaWorld(n, "MT10")
     sim.seed(np.arange(n))
     sim.reset()
+    before = rss_mb()
     t = time.perf_counter()
     sim.render()  # makes the renderers (an OpenGL context and the textures per task)
     first = time.perf_counter() - t
+    made = rss_mb() - before  # the renderers' host memory (all of it under a CPU OpenGL)
     row = timed(sim.render, args.steps, 1, args.budget_s, n)
-    return {"first_render_s": first, "frames_per_s": row["sustained_chunks_per_s"], "ms_per_call": row["mean_ms"]}
+    return {"first_render_s": first, "renderers_host_MB": made} | {
+        "frames_per_s": row["sustained_chunks_per_s"],
+        "ms_per_call": row["mean_ms"],
+    }
 
 
 def bench_env(n: int, threads: int, processes: int, weights: str | None, args: argparse.Namespace) -> dict:

@@ -1,6 +1,6 @@
 """scripts/bench_metaworld.py end to end on the CPU (two slots, a few chunks): the simulator and
-env rows are written with their rates, in one process and split over two, and asking for a GPU
-where there is none is refused by name."""
+env rows are written with their rates, in one process and split over two, the renderer's with its
+memory, and asking for a GPU where there is none is refused by name."""
 
 import importlib.util
 import json
@@ -18,12 +18,14 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("metaworld") is None, r
 
 def test_the_sim_and_env_rows_are_written(tmp_path):
     out = tmp_path / "bench.json"
-    args = ["--sizes", "2", "--threads", "1", "--processes", "1", "2", "--rows", "sim", "env", "--steps", "2"]
+    args = ["--sizes", "2", "--threads", "1", "--processes", "1", "2", "--rows", "sim", "render", "env", "--steps", "2"]
     done = subprocess.run([sys.executable, SCRIPT, *args, "--out", str(out)], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
     got = [(r["row"], r["slots"], r["threads"], r["processes"]) for r in rows]
-    assert got == [("sim", 2, 1, 1), ("env", 2, 1, 1), ("sim", 2, 1, 2), ("env", 2, 1, 2)]
+    assert got == [("render", 2, 1, 1), ("sim", 2, 1, 1), ("env", 2, 1, 1), ("sim", 2, 1, 2), ("env", 2, 1, 2)]
+    render, rows = rows[0], rows[1:]
+    assert render["frames_per_s"] > 0 and render["renderers_host_MB"] > 0
     assert all(r["steps"] == 2 and r["sustained_chunks_per_s"] > 0 for r in rows)
     assert all(r["host_MB"] > 0 for r in rows if r["row"] == "sim")  # a process's growth, or two workers' sets
 
