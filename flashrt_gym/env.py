@@ -216,7 +216,7 @@ class FlashRTVectorEnv(VectorEnv):
                 raise ValueError(f"reset_mask must be a numpy bool array of shape ({self.num_envs},)")
             mask = torch.as_tensor(mask, device=self.device)
         if seed is None and not self.started:
-            seed = int(self.np_random.integers(0, 2**62 - self.num_envs))
+            seed = int(self.np_random.integers(0, arguments.SEED_MAX - self.num_envs))
         seeds = None if seed is None else torch.arange(self.num_envs, device=self.device) + seed
         if per_slot is not None:
             seeds = torch.as_tensor(per_slot, device=self.device)
