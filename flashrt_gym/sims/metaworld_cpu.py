@@ -7,6 +7,11 @@ episode draws its object and goal positions from the slot's seeded stream (Meta-
 observation as in the MT benchmarks), where the published MT1 / MT10 protocol cycles through 50
 fixed draws per task.
 
+The slots of a task share one MuJoCo model in each thread that steps them (a Meta-World model is
+about 19 MB): each slot's episode rows of it (:func:`~flashrt_gym.sims.metaworld_state.episode_model_fields`:
+the fixtures and goal marker its resets move) are kept apart and written into the model before the
+slot is touched, and read back after, so every slot runs as on a model of its own.
+
 A slot's state row holds everything its next step and reset read (see
 :mod:`flashrt_gym.sims.metaworld_state`): MuJoCo's integration state, the model rows the task
 writes per episode, the instance's Python fields (its reset RNG included) and this wrapper's own
@@ -21,6 +26,7 @@ import copy
 import hashlib
 import os
 import sys
+import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from importlib.metadata import version
@@ -135,7 +141,9 @@ class MetaWorld:
         self.instructions = [INSTRUCTIONS[n] for n in self.task_names]
         self.num_slots, self.threads, self.image_size, self.camera = num_slots, threads, image_size, camera
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="metaworld") if threads > 1 else None
-        self._classes = {n: type(c.__name__, (c,), {"reset_mocap_welds": reset_mocap_welds}) for n, c in
+        shim = {"reset_mocap_welds": reset_mocap_welds, "_shared_model": None,
+                "_initialize_simulation": _initialize_simulation}  # fmt: skip
+        self._classes = {n: type(c.__name__, (c,), dict(shim)) for n, c in
                          ((n, ALL_V3_ENVIRONMENTS[n]) for n in self.task_names)}  # fmt: skip
         self.model_fields: dict[str, tuple[str, ...]] = {}
         """Per task, the model arrays its resets write (:func:`episode_model_fields`)."""
@@ -151,7 +159,20 @@ class MetaWorld:
         self.fields_capacity = -(-(2 * seen + 1024) // 8) * 8
         """Bytes a row keeps for the encoded Python fields: twice the longest seen, and 1 KiB."""
         self.task = ((np.arange(num_slots) + first_slot) // block) % len(self.task_names)
-        self.envs = [self.make_instance(self.task_names[t]) for t in self.task]
+        self.envs, built = [], {}  # built: each task's model rows as compiled (a fresh instance's)
+        for t in self.task:
+            name = self.task_names[t]
+            self.envs.append(self.make_instance(name))
+            cls = self._classes[name]
+            if cls._shared_model is None:  # the task's first slot compiled the model its others share
+                cls._shared_model = self.envs[-1].model
+                built[name] = model_rows(cls._shared_model, self.model_fields[name])
+        self._rows = [built[self.task_names[t]] for t in self.task]
+        """Each slot's episode rows of its task's model (:attr:`model_fields`), kept apart."""
+        self._lock = threading.Lock()
+        self._models: dict[tuple[int, int], mujoco.MjModel] = {}
+        """(task, thread) -> the model that thread steps the task's slots with (the shared one for
+        the first thread to ask, a copy for the others)."""
         if camera != "overview" and mujoco.mj_name2id(self.envs[0].model, mujoco.mjtObj.mjOBJ_CAMERA, camera) < 0:
             raise ValueError(f"camera must be 'overview' or a camera of the scene, got {camera!r}")
         self._views = [Views(e) for e in self.envs]
@@ -166,8 +187,29 @@ class MetaWorld:
         self._vars[:, HEAD.index("tag")] = self._tag
         self._vars[:, HEAD.index("task")] = self.task
         self._vars[:, HEAD.index("instruction")] = self.task
-        for e in self.envs:
-            mujoco.mj_forward(e.model, e.data)
+        for i in range(num_slots):
+            env = self._load(i)
+            mujoco.mj_forward(env.model, env.data)
+
+    def _load(self, i: int) -> Any:
+        """Slot ``i``'s instance, its episode rows written into the model this thread steps its task
+        with (the slots of a task share it: nothing of another slot's episode stays)."""
+        t = int(self.task[i])
+        key = (t, threading.get_ident())
+        model = self._models.get(key)
+        if model is None:
+            with self._lock:  # two threads meeting the task at once must not both take the shared model
+                shared = self._classes[self.task_names[t]]._shared_model
+                first = not any(k[0] == t for k in self._models)
+                model = self._models.setdefault(key, shared if first else copy.deepcopy(shared))
+        write_model_rows(model, self.model_fields[self.task_names[t]], self._rows[i])
+        env = self.envs[i]
+        env.model = model
+        return env
+
+    def _keep(self, i: int) -> None:
+        """Read slot ``i``'s episode rows back from its model (a reset or a step may write them)."""
+        self._rows[i] = model_rows(self.envs[i].model, self.model_fields[self.task_names[int(self.task[i])]])
 
     def make_instance(self, name: str) -> Any:
         """A fresh Meta-World instance of task ``name`` as this simulator runs it: its task set
@@ -256,9 +298,10 @@ class MetaWorld:
 
         def work(part: np.ndarray) -> None:
             for i in part:
-                env = self.envs[i]
+                env = self._load(i)
                 self._obs[i] = env.reset()[0]
                 mujoco.mj_forward(env.model, env.data)
+                self._keep(i)
 
         self._map(work, np.flatnonzero(m))
         self._field("instruction")[m] = self.task[m]
@@ -301,7 +344,7 @@ class MetaWorld:
 
         def work(part: np.ndarray) -> None:
             for i in part:
-                env = self.envs[i]
+                env = self._load(i)
                 for t in range(a.shape[1]):
                     self._obs[i], reward, _, _, info = env.step(a[i, t])
                     dense[i] += float(reward)
@@ -309,6 +352,7 @@ class MetaWorld:
                         success[i] = 1
                         break
                     sparse[i] -= 1.0
+                self._keep(i)
 
         self._map(work, alive)
         return dense.astype(np.float32), sparse.astype(np.float32)
@@ -371,7 +415,7 @@ class MetaWorld:
             mujoco.mj_getState(env.model, env.data, physics, STATE_SIG)
             at = self._physics_at + physics.nbytes
             r[self._physics_at : at] = physics.view(np.uint8)
-            rows = model_rows(env.model, self.model_fields[self.task_names[t]])
+            rows = self._rows[i]
             r[at : at + len(rows)] = np.frombuffer(rows, np.uint8)
             r[-32:] = np.frombuffer(hashlib.sha256(r[:-32].tobytes()).digest(), np.uint8)
         return out
@@ -425,12 +469,22 @@ class MetaWorld:
             if problem is not None:
                 raise ValueError(f"the state row for slot {i} is refused: {problem}; nothing was written")
         for i, head, obs, physics, model, fields in writes:
-            env = self.envs[i]
+            self._rows[i] = model
+            env = self._load(i)
             mujoco.mj_setState(env.model, env.data, physics, STATE_SIG)
-            write_model_rows(env.model, self.model_fields[self.task_names[int(self.task[i])]], model)
             write_fields(env, fields)
             self._vars[i], self._obs[i] = head, obs
             mujoco.mj_forward(env.model, env.data)
+
+
+def _initialize_simulation(self: Any) -> tuple[mujoco.MjModel, mujoco.MjData]:
+    """Gymnasium's ``MujocoEnv._initialize_simulation`` for :class:`MetaWorld`'s task classes:
+    the model the task's slots share (its class's ``_shared_model``) once one is compiled, with
+    data of the instance's own; before that, a model of its own, compiled."""
+    shared = type(self)._shared_model
+    if shared is None:
+        return super(type(self), self)._initialize_simulation()
+    return shared, mujoco.MjData(shared)
 
 
 _RENDERERS: dict[tuple[str, int], mujoco.Renderer] = {}

@@ -22,10 +22,8 @@ from flashrt_gym.sims.metaworld_state import (
     dump_fields,
     encode,
     load_fields,
-    model_rows,
     reset_mocap_welds,
     write_fields,
-    write_model_rows,
 )
 from flashrt_gym.sims.metaworld_tasks import EPISODE_STEPS, INSTRUCTIONS, MT10
 
@@ -73,8 +71,7 @@ def test_restore_into_a_fresh_simulator_continues_byte_for_byte_and_partial_rows
     source, sim = started(), MetaWorld(N)
     sim.seed(np.arange(N) + 1000)  # the restoring simulator runs episodes of its own streams
     sim.reset()
-    fields_of = [sim.model_fields[sim.task_names[t]] for t in sim.task]
-    own_rows = [model_rows(e.model, f) for e, f in zip(sim.envs, fields_of, strict=True)]
+    own_rows = list(sim._rows)  # each slot's episode rows of its task's (shared) model
     own_fields = [dump_fields(e, v) for e, v in zip(sim.envs, sim._views, strict=True)]
     rows = source.get_state()
     sim.set_state(None, rows)
@@ -85,8 +82,7 @@ def test_restore_into_a_fresh_simulator_continues_byte_for_byte_and_partial_rows
     assert got == want
 
     sim.set_state(None, rows)  # without the model rows: its own stay
-    for e, f, raw in zip(sim.envs, fields_of, own_rows, strict=True):
-        write_model_rows(e.model, f, raw)
+    sim._rows[:] = own_rows
     no_model, _ = continuation(sim)
     sim.set_state(None, rows)  # without the Python fields: its own stay
     for e, v, raw in zip(sim.envs, sim._views, own_fields, strict=True):
@@ -95,6 +91,45 @@ def test_restore_into_a_fresh_simulator_continues_byte_for_byte_and_partial_rows
     for name, a, b, c in zip(MT10, want[0], no_model, no_fields, strict=True):
         assert a != b, f"{name}: the model rows made no difference"
         assert a != c, f"{name}: the Python fields made no difference"
+
+
+def test_slots_of_a_task_share_one_model_and_run_as_if_alone():
+    """Slots i and i + 10 of MT10 run one task on one MuJoCo model of this process (about 19 MB a
+    slot saved), each with its own episode's rows of it: stepped by two threads, each slot gives
+    the rewards, observations, physics and frames of a simulator holding that slot alone. Mutation: a
+    slot stepped on the rows the task's last slot left (not its own) departs."""
+
+    class Stale(MetaWorld):
+        def _load(self, i):
+            env = self.envs[i]
+            env.model = self._classes[self.task_names[int(self.task[i])]]._shared_model
+            return env
+
+    def run(sim: MetaWorld, seeds: np.ndarray, actions: list[np.ndarray]) -> list[list[bytes]]:
+        sim.seed(seeds)
+        sim.reset()
+        out = [[] for _ in range(sim.num_slots)]
+        for a in actions:
+            dense, _ = sim.run_ticks(a)
+            frames = sim.render()  # the goal marker is a site the episode's rows place
+            for i, env in enumerate(sim.envs):
+                physics = np.empty(mujoco.mj_stateSize(env.model, mujoco.mjtState.mjSTATE_INTEGRATION))
+                mujoco.mj_getState(env.model, env.data, physics, mujoco.mjtState.mjSTATE_INTEGRATION)
+                out[i] += [dense[i].tobytes(), sim.observation()[i].tobytes(), physics.tobytes(), frames[i].tobytes()]
+        return out
+
+    seeds = np.arange(2 * N) + 500
+    rng = np.random.default_rng(3)
+    actions = [rng.uniform(-1, 1, (2 * N, 4, 4)) for _ in range(3)]
+    shared = MetaWorld(2 * N)
+    assert shared.envs[0].model is shared.envs[N].model and shared.envs[0].model is not shared.envs[1].model
+    got = run(MetaWorld(2 * N, threads=2), seeds, actions)
+    stale = run(Stale(2 * N), seeds, actions)
+    for i in (0, N, 3, N + 3, 8, N + 8):  # reach, drawer-close and window-open, two slots each
+        alone = run(MetaWorld(1, MT10[i % N]), seeds[i : i + 1], [a[i : i + 1] for a in actions])
+        assert got[i] == alone[0], f"slot {i} ({MT10[i % N]})"
+        if i < N:  # the task's first slot steps on its second's episode rows when they are not its own
+            assert stale[i] != alone[0], f"slot {i} ({MT10[i % N]}): the shared rows made no difference"
 
 
 @pytest.fixture(scope="module")
