@@ -8,9 +8,9 @@ slots are skipped):
 - ``sim``: :class:`~flashrt_gym.sims.MetaWorld` alone, chunks of 4 Meta-World steps under
   uniform random actions, a slot reset (Meta-World's ``reset``) when it succeeds or after 50
   chunks (the ids' episode length); each chunk also takes every slot's state row (``get_state``), as the env's hand-off
-  does. Sustained chunks/s over the run's wall time, p50 / p99 / max ms a chunk, and the
-  simulator's host memory (``host_MB``: what it added to this process, or its worker processes'
-  whole resident memory).
+  does. Sustained chunks/s over the run's wall time, p50 / p99 / max ms a chunk, and with
+  ``--processes`` > 1 the simulator's host memory (``host_MB``: its fresh worker processes' whole
+  resident memory; the difference between two sizes is what the slots take).
 - ``render``: the camera's frames/s (``render()`` of every slot, one thread), at 64 px, and the
   host memory its renderers took (one a task: ten for MT10).
 - ``env``: ``FlashRTVectorEnv`` through the public ``step()`` with noise actions uniform in the
@@ -78,7 +78,6 @@ def rss_mb(pid: int | str = "self") -> float:
 
 
 def bench_sim(n: int, threads: int, processes: int, args: argparse.Namespace) -> dict:
-    before = rss_mb()
     t = time.perf_counter()
     sim = metaworld(n, "MT10", threads=threads, processes=processes)
     built = time.perf_counter() - t
@@ -99,8 +98,9 @@ def bench_sim(n: int, threads: int, processes: int, args: argparse.Namespace) ->
             resets[0] += int(done.sum())
 
     row = {"build_s": built} | timed(step, args.steps, args.warmup, args.budget_s, n)
-    # the simulator's host memory: its workers' whole resident sets, or what it added to this process
-    row["host_MB"] = sum(rss_mb(pid) for pid in sim.pids) if processes > 1 else rss_mb() - before
+    # the simulator's host memory: its fresh worker processes' whole resident sets (in this process
+    # what a row adds depends on the rows before it, whose freed memory it reuses)
+    row["host_MB"] = sum(rss_mb(pid) for pid in sim.pids) if processes > 1 else None
     if processes > 1:
         sim.close()
     return row | {"slots_reset": resets[0]}
@@ -114,7 +114,7 @@ def bench_render(n: int, args: argparse.Namespace) -> dict:
     t = time.perf_counter()
     sim.render()  # makes the renderers (an OpenGL context and the textures per task)
     first = time.perf_counter() - t
-    made = rss_mb() - before  # the renderers' host memory (all of it under a CPU OpenGL)
+    made = rss_mb() - before  # the renderers' (all of it under a CPU OpenGL); 0 where a row before made them
     row = timed(sim.render, args.steps, 1, args.budget_s, n)
     return {"first_render_s": first, "renderers_host_MB": made} | {
         "frames_per_s": row["sustained_chunks_per_s"],
