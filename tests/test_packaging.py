@@ -66,6 +66,10 @@ def test_wheel_holds_configs_types_and_version(installed):
     configs = {p.relative_to(ROOT).as_posix() for p in (ROOT / "configs").rglob("*.yaml")}
     assert configs and {f"flashrt_gym/{c}" for c in configs} <= names  # every config, from the one source
     assert "flashrt_gym/py.typed" in names
+    shipped = {p.relative_to(ROOT).as_posix() for p in (ROOT / "flashrt_gym" / "assets").rglob("*") if p.is_file()}
+    data = {a for a in shipped if a.endswith((".json", ".safetensors", ".xml"))}  # the policies and the scene
+    assert {f"flashrt_gym/assets/{d}/model.safetensors" for d in ("tiny", "tiny_mujoco", "tiny_metaworld")} <= data
+    assert data <= names
     assert wheel.name.startswith(f"flashrt_gym-{flashrt_gym.__version__}-")
     out = run_installed(
         installed,
@@ -98,7 +102,7 @@ def test_entry_points_compose_the_packaged_configs(installed, cmd):
 
 def test_train_help_from_the_wheel(installed):
     out = run_installed(installed, sys.executable, str(installed / "bin/flashrt-train"), "--help").stdout
-    assert "train is powered by Hydra" in out and "experiment: dsrl_sac, quick, smoke" in out
+    assert "train is powered by Hydra" in out and "experiment: dsrl_sac, metaworld_mt10, quick, smoke" in out
 
 
 def test_module_usage(capsys):
