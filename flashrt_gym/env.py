@@ -217,9 +217,10 @@ class FlashRTVectorEnv(VectorEnv):
             mask = torch.as_tensor(mask, device=self.device)
         if seed is None and not self.started:
             seed = int(self.np_random.integers(0, arguments.SEED_MAX - self.num_envs))
-        seeds = None if seed is None else torch.arange(self.num_envs, device=self.device) + seed
         if per_slot is not None:
             seeds = torch.as_tensor(per_slot, device=self.device)
+        else:
+            seeds = None if seed is None else torch.arange(self.num_envs, device=self.device) + seed
         keep = seed is not None and per_slot is None and mask is None  # the kept starts are by int seed
         cached = self.starts.get(seed) if keep else None
         if cached is not None:

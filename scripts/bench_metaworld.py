@@ -7,10 +7,11 @@ slots are skipped):
 
 - ``sim``: :class:`~flashrt_gym.sims.MetaWorld` alone, chunks of 4 Meta-World steps under
   uniform random actions, a slot reset (Meta-World's ``reset``) when it succeeds or after 50
-  chunks (the ids' episode length); each chunk also takes every slot's state row (``get_state``), as the env's hand-off
-  does. Sustained chunks/s over the run's wall time, p50 / p99 / max ms a chunk, and with
-  ``--processes`` > 1 the simulator's host memory (``host_MB``: its fresh worker processes' whole
-  resident memory; the difference between two sizes is what the slots take).
+  chunks (the ids' episode length); each chunk also takes every slot's state row
+  (``get_state``), as the env's hand-off does. Sustained chunks/s over the run's wall time,
+  p50 / p99 / max ms a chunk, and with ``--processes`` > 1 the simulator's host memory
+  (``host_MB``: its fresh worker processes' whole resident memory; the difference between two
+  sizes is what the slots take).
 - ``render``: the camera's frames/s (``render()`` of every slot, one thread), at 64 px, and the
   host memory its renderers took (one a task: ten for MT10).
 - ``env``: ``FlashRTVectorEnv`` through the public ``step()`` with noise actions uniform in the
@@ -42,7 +43,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from benchlib import commit, cpu_model
+from benchlib import commit, cpu_model, rss_mb
 
 from flashrt.runtime import atomic_write
 from flashrt_gym import FlashRTVectorEnv
@@ -70,11 +71,6 @@ def timed(step, steps: int, warmup: int, budget_s: float, slots: int) -> dict:
         "p99_ms": times[min(len(times) - 1, round(0.99 * (len(times) - 1)))] * 1e3,
         "max_ms": times[-1] * 1e3,
     }
-
-
-def rss_mb(pid: int | str = "self") -> float:
-    """A process's resident host memory, MB (Linux's ``/proc/<pid>/statm``)."""
-    return int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
 def bench_sim(n: int, threads: int, processes: int, args: argparse.Namespace) -> dict:

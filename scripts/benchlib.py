@@ -163,6 +163,11 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def rss_mb(pid: int | str = "self") -> float:
+    """A process's resident host memory, MB (Linux's ``/proc/<pid>/statm``)."""
+    return int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
 def provenance() -> dict[str, str | None]:
     """Where a result was measured: the GPU (None without CUDA), the CPU, torch, Python, commit."""
     return {
