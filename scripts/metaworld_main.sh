@@ -11,7 +11,12 @@
 #    seeds on the test starts with the per-task table beside the base policy (<out>/main/).
 #
 #   bash scripts/metaworld_main.sh [out_dir] [override ...]
+#   STAGE=choice bash scripts/metaworld_main.sh out    # stage 1 alone (writes out/choice.txt)
+#   STAGE=main bash scripts/metaworld_main.sh out      # stage 2 alone, on the mode out/choice.txt names
 #
+# STAGE (all, choice or main; default all) splits the job over two sittings, as a GPU machine lent
+# for less than the whole job asks: stage 2 reads the mode from <out>/choice.txt, the validation
+# choice stage 1 wrote, so the seeds' mode is still chosen on validation.
 # out_dir defaults to $OUT/metaworld_mt10 when $OUT is set, else multirun/metaworld_mt10; further
 # Hydra overrides go to every run. With the defaults it ends within ~16 minutes (each stage's runs
 # stop RUN_S / CHOICE_S after launch, then evaluate on 1 024 test starts).
@@ -24,18 +29,31 @@ cores=$(nproc)
 read -r -a seeds <<<"${SEEDS:-0 1 2 3 4}"
 per_run=$((cores / ${#seeds[@]} > 0 ? cores / ${#seeds[@]} : 1))
 
-mkdir -p "$out/choice"
-for mode in noise residual; do
-  SEEDS=0 NAME=$mode bash scripts/headline.sh "$out/choice/$mode" "${CHOICE_S:-240}" experiment=metaworld_mt10 \
-    env=$mode task.processes=$((cores / 2 > 0 ? cores / 2 : 1)) "${extra[@]}" >"$out/choice/$mode.log" 2>&1 &
-done
-wait
-"$py" scripts/aggregate.py "$out/choice" | tee "$out/choice.txt"
-mode=$(sed -n 's/^best on validation: \([a-z]*\) .*/\1/p' "$out/choice.txt")
+stage=${STAGE:-all}
+case "$stage" in
+  all | choice | main) ;;
+  *) echo "STAGE must be all, choice or main (got '$stage')" >&2; exit 2 ;;
+esac
+
+if [ "$stage" != main ]; then
+  mkdir -p "$out/choice"
+  for mode in noise residual; do
+    SEEDS=0 NAME=$mode bash scripts/headline.sh "$out/choice/$mode" "${CHOICE_S:-240}" experiment=metaworld_mt10 \
+      env=$mode task.processes=$((cores / 2 > 0 ? cores / 2 : 1)) "${extra[@]}" >"$out/choice/$mode.log" 2>&1 &
+  done
+  wait
+  "$py" scripts/aggregate.py "$out/choice" | tee "$out/choice.txt"
+fi
+mode=$(sed -n 's/^best on validation: \([a-z]*\) .*/\1/p' "$out/choice.txt" 2>/dev/null || true)
 if [ -z "$mode" ]; then
-  echo "no choice: a mode's run has no validation evaluation (see $out/choice/*.log and its runs' logs)" >&2
+  if [ "$stage" = main ]; then
+    echo "no choice: STAGE=main reads the mode from $out/choice.txt; run STAGE=choice (or all) into $out first" >&2
+  else
+    echo "no choice: a mode's run has no validation evaluation (see $out/choice/*.log and its runs' logs)" >&2
+  fi
   exit 1
 fi
 echo "chosen on validation: env=$mode"
+[ "$stage" = choice ] && exit 0
 SEEDS="${seeds[*]}" NAME=$mode bash scripts/headline.sh "$out/main" "${RUN_S:-420}" experiment=metaworld_mt10 \
   env="$mode" task.processes="$per_run" "${extra[@]}"

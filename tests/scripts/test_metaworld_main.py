@@ -51,3 +51,36 @@ def test_no_mode_named_stops_before_the_seeds(tmp_path):
     done, events = run(tmp_path, "")
     assert done.returncode != 0 and "no choice" in done.stderr
     assert not any("seed=1" in e for e in events)
+
+
+def test_the_stages_run_apart_on_the_choice_written_to_the_folder(tmp_path):
+    fake, log, out = tmp_path / "python", tmp_path / "log", tmp_path / "out"
+    fake.write_text(FAKE)
+    fake.chmod(0o755)
+    env = {**os.environ, "PYTHON": str(fake), "LOG": str(log), "BEST": "noise", "CHOICE_S": "3", "RUN_S": "4"}
+    cmd = ["bash", "scripts/metaworld_main.sh", str(out)]
+    first = subprocess.run(cmd, cwd=ROOT, env={**env, "STAGE": "choice"}, capture_output=True, text=True)
+    assert first.returncode == 0, first.stderr
+    choice = log.read_text().split("\n")[:-1]
+    assert sorted(e.split()[1] for e in choice if e.startswith("train")) == ["seed=0", "seed=0"]
+    assert (out / "choice.txt").read_text().startswith("best on validation: noise")
+    log.unlink()
+    second = subprocess.run(cmd, cwd=ROOT, env={**env, "STAGE": "main", "BEST": ""}, capture_output=True, text=True)
+    assert second.returncode == 0, second.stderr
+    main = log.read_text().split("\n")[:-1]
+    runs = [e for e in main if e.startswith("train")]
+    assert sorted(e.split()[1] for e in runs) == [f"seed={s}" for s in range(5)]
+    assert all("env=noise" in e for e in runs) and f"aggregate {out / 'choice'}" not in main
+    assert "chosen on validation: env=noise" in second.stdout
+
+
+def test_the_main_stage_alone_needs_a_choice_and_a_known_stage(tmp_path):
+    fake, log = tmp_path / "python", tmp_path / "log"
+    fake.write_text(FAKE)
+    fake.chmod(0o755)
+    env = {**os.environ, "PYTHON": str(fake), "LOG": str(log), "BEST": "noise", "RUN_S": "4"}
+    cmd = ["bash", "scripts/metaworld_main.sh", str(tmp_path / "out")]
+    done = subprocess.run(cmd, cwd=ROOT, env={**env, "STAGE": "main"}, capture_output=True, text=True)
+    assert done.returncode != 0 and "STAGE=choice" in done.stderr and not log.exists()
+    done = subprocess.run(cmd, cwd=ROOT, env={**env, "STAGE": "seeds"}, capture_output=True, text=True)
+    assert done.returncode == 2 and "STAGE must be all, choice or main" in done.stderr and not log.exists()
