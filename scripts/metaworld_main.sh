@@ -55,5 +55,8 @@ if [ -z "$mode" ]; then
 fi
 echo "chosen on validation: env=$mode"
 [ "$stage" = choice ] && exit 0
-SEEDS="${seeds[*]}" NAME=$mode bash scripts/headline.sh "$out/main" "${RUN_S:-420}" experiment=metaworld_mt10 \
+# The seeds' final evaluations (1 280 episodes each, five runs sharing the cores) come close to
+# headline.sh's default 180 s grace: two runs of 8 processes took ~85 s for theirs, at ~2 000 env steps/s summed,
+# so five take ~160 s at best. A larger grace only delays the stop of a run that hangs.
+GRACE=${GRACE:-360} SEEDS="${seeds[*]}" NAME=$mode bash scripts/headline.sh "$out/main" "${RUN_S:-420}" experiment=metaworld_mt10 \
   env="$mode" task.processes="$per_run" "${extra[@]}"

@@ -84,3 +84,25 @@ def test_the_main_stage_alone_needs_a_choice_and_a_known_stage(tmp_path):
     assert done.returncode != 0 and "STAGE=choice" in done.stderr and not log.exists()
     done = subprocess.run(cmd, cwd=ROOT, env={**env, "STAGE": "seeds"}, capture_output=True, text=True)
     assert done.returncode == 2 and "STAGE must be all, choice or main" in done.stderr and not log.exists()
+
+
+def test_the_seeds_hard_stop_leaves_room_for_their_final_evaluations(tmp_path):
+    """headline.sh stops a run at its time limit plus GRACE (``timeout``): the seeds' stage gives
+    them 360 s unless GRACE says otherwise, the choice stage keeps headline.sh's 180 s."""
+    fake, log, bin_ = tmp_path / "python", tmp_path / "log", tmp_path / "bin"
+    fake.write_text(FAKE)
+    fake.chmod(0o755)
+    bin_.mkdir()
+    (bin_ / "timeout").write_text('#!/usr/bin/env bash\necho "timeout $2" >> "$LOG"\nshift 2\nexec "$@"\n')
+    (bin_ / "timeout").chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_}:{os.environ['PATH']}", "PYTHON": str(fake), "LOG": str(log)}
+    env |= {"BEST": "noise", "CHOICE_S": "3", "RUN_S": "4"}
+    cmd = ["bash", "scripts/metaworld_main.sh", str(tmp_path / "out")]
+    assert subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True).returncode == 0
+    limits = [e.split()[1] for e in log.read_text().split("\n") if e.startswith("timeout")]
+    assert limits == ["183", "183"] + ["364"] * 5
+    log.unlink()
+    assert (
+        subprocess.run(cmd, cwd=ROOT, env={**env, "STAGE": "main", "GRACE": "20"}, capture_output=True).returncode == 0
+    )
+    assert [e for e in log.read_text().split("\n") if e.startswith("timeout")] == ["timeout 24"] * 5
