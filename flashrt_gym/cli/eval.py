@@ -6,8 +6,14 @@ evaluation starts (Hydra app over the same config groups as the main job).
     flashrt-eval                                   # the base policy alone
     flashrt-eval +split=test +video=videos/        # the test starts; two episodes as videos
     flashrt-eval +checkpoint=<...> +video=videos/  # base beside steered, and strip.png
+    flashrt-eval base_eval=out/base_eval.json      # the base policy on both splits, into a file
 
 The split is ``validation`` unless ``+split=test`` (flashrt_gym.splits). Prints one JSON line.
+With ``base_eval=FILE`` and no checkpoint, the base policy runs ``eval.episodes`` validation and
+``eval.test_episodes`` test episodes and FILE keeps them (read back if it already holds them):
+the runs of one job given ``base_eval=FILE`` then read it instead of each evaluating the same
+base policy again (:func:`flashrt_gym.training.setup.base_evaluation`); the line printed is
+``+split``'s.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from flashrt_gym.evaluation import evaluate, torch_policy
 from flashrt_gym.splits import eval_seed
 from flashrt_gym.training import check, device_of, loop_of, make_env
 from flashrt_gym.training.device_loop import load_learner
+from flashrt_gym.training.setup import base_evaluation
 
 Act = Callable[[np.ndarray], np.ndarray]
 
@@ -132,7 +139,11 @@ def main(cfg: DictConfig) -> None:
     env = make_env(cfg, cfg.eval.episodes, autoreset=False, action_mode=mode)
     zeros = np.zeros((env.num_envs, *env.single_action_space.shape), np.float32)
     act = load_agent(cfg, checkpoint, env) if checkpoint else lambda obs: zeros[: len(obs)]
-    res = evaluate(env, act, split, cfg.eval.episodes)
+    if cfg.get("base_eval") and not checkpoint:
+        splits = {"validation": cfg.eval.episodes, "test": cfg.eval.test_episodes}
+        res = base_evaluation(cfg, splits, env.engine.bufs.deployment, env=env)[0][split]
+    else:
+        res = evaluate(env, act, split, cfg.eval.episodes)
     print(
         json.dumps(
             {

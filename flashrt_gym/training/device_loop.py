@@ -33,7 +33,7 @@ from flashrt_gym.evaluation import evaluate, torch_policy
 from flashrt_gym.learners import Learner, missing_members
 from flashrt_gym.splits import train_seed
 from flashrt_gym.training.runlog import Progress, RunLog, deadline, summarize
-from flashrt_gym.training.setup import ConfigError, device_of, evaluate_base, make_env, require
+from flashrt_gym.training.setup import ConfigError, base_evaluation, device_of, make_env, require
 
 AGENT_KEYS = {"_target_", "kwargs"}
 """The keys of a device learner's agent config."""
@@ -176,9 +176,9 @@ def train(cfg: DictConfig, out: Path, launch: float) -> dict[str, Any]:
     log, base_s = None, 0.0
     if lead:
         eval_env = make_env(cfg, cfg.eval.episodes, autoreset=False, device=device)
-        t = time.time()
-        base = evaluate_base(cfg, {"validation": cfg.eval.episodes, "test": cfg.eval.test_episodes}, device)
-        base_s = time.time() - t  # what the final evaluation (the same episodes) will take
+        splits = {"validation": cfg.eval.episodes, "test": cfg.eval.test_episodes}
+        # base_s: what the final evaluation (the same episodes) will take
+        base, base_s = base_evaluation(cfg, splits, eval_env.engine.bufs.deployment, device)
     stop_at = deadline(cfg, launch, base_s)
     progress = Progress(cfg.total_steps, env_steps, stop_at, disable=not lead)
     if lead:

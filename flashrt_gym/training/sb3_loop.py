@@ -24,7 +24,7 @@ from flashrt_gym.learners import CPU_BUDGET
 from flashrt_gym.sb3 import SB3VecEnv
 from flashrt_gym.splits import train_seed
 from flashrt_gym.training.runlog import Progress, RunLog, deadline, summarize
-from flashrt_gym.training.setup import ConfigError, device_of, evaluate_base, make_env, require
+from flashrt_gym.training.setup import ConfigError, base_evaluation, device_of, make_env, require
 
 AGENT_KEYS = {"_target_", "policy", "utd", "kwargs"}
 """The keys of an SB3 agent config."""
@@ -156,9 +156,9 @@ def train(cfg: DictConfig, out: Path, launch: float) -> dict[str, Any]:
     """
     venv = VecMonitor(SB3VecEnv(make_env(cfg, cfg.env.num_envs)))
     eval_env = make_env(cfg, cfg.eval.episodes, autoreset=False)
-    t = time.time()
-    base = evaluate_base(cfg, {"validation": cfg.eval.episodes, "test": cfg.eval.test_episodes})
-    stop_at = deadline(cfg, launch, time.time() - t)  # the final evaluation runs the same episodes
+    splits = {"validation": cfg.eval.episodes, "test": cfg.eval.test_episodes}
+    base, base_s = base_evaluation(cfg, splits, eval_env.engine.bufs.deployment)
+    stop_at = deadline(cfg, launch, base_s)  # the final evaluation runs the same episodes
     tb = str(out / "tb") if cfg.logger.tensorboard else None
     if cfg.resume:
         model = get_class(cfg.agent._target_).load(cfg.resume, env=venv, device=device_of(cfg))

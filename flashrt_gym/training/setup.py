@@ -6,14 +6,18 @@ policy's evaluation). Nothing in a training loop looks at the config again after
 from __future__ import annotations
 
 import functools
+import json
 import logging
+import time
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 from hydra.utils import get_class, get_method
 from omegaconf import DictConfig, OmegaConf
 
+from flashrt.runtime import atomic_write
 from flashrt_gym.devices import resolve_device
 from flashrt_gym.env import FlashRTVectorEnv
 from flashrt_gym.evaluation import EvalResult, evaluate
@@ -113,6 +117,8 @@ def check_run(cfg: DictConfig) -> None:
     limit = cfg.time_limit_s
     require(limit is None or (isinstance(limit, (int, float)) and limit > 0), "time_limit_s", "must be > 0 or null")
     require(isinstance(cfg.time_limit_includes_eval, bool), "time_limit_includes_eval", "must be true, false or auto")
+    base = cfg.get("base_eval")
+    require(base is None or isinstance(base, str), "base_eval", f"must be a file path or null, got {base!r}")
     require(
         cfg.eval.test_episodes % cfg.eval.episodes == 0,
         "eval.test_episodes",
@@ -187,20 +193,155 @@ def make_env(
     )
 
 
-def evaluate_base(cfg: DictConfig, splits: dict[str, int], device: str | None = None) -> dict[str, EvalResult]:
+def evaluate_base(
+    cfg: DictConfig, splits: dict[str, int], device: str | None = None, env: FlashRTVectorEnv | None = None
+) -> dict[str, EvalResult]:
     """The unsteered VLA (its own per-slot noise, no correction) on each split's episodes.
 
     Args:
         cfg: a composed training config.
         splits: split name to its episodes.
         device: overrides ``runtime.device``.
+        env: an env of ``make_env(cfg, cfg.eval.episodes, autoreset=False, action_mode="residual")``
+            to evaluate in (left open); None: one is made and closed.
 
     Returns:
         Split name to its result.
     """
     logger.info("base policy: evaluating on %s", ", ".join(f"{n} {split} starts" for split, n in splits.items()))
-    env = make_env(cfg, cfg.eval.episodes, autoreset=False, action_mode="residual", device=device)
+    own = env is None
+    if env is None:
+        env = make_env(cfg, cfg.eval.episodes, autoreset=False, action_mode="residual", device=device)
     zeros = np.zeros((env.num_envs, *env.single_action_space.shape), np.float32)
     out = {split: evaluate(env, lambda _: zeros, split, episodes) for split, episodes in splits.items()}
-    env.close()
+    if own:
+        env.close()
     return out
+
+
+BASE_FILE_VERSION = 1
+"""The layout of a ``base_eval`` file; another is refused."""
+
+
+def base_identity(cfg: DictConfig, splits: dict[str, int], deployment: str, device: str | None = None) -> dict:
+    """Everything the base policy's evaluation depends on, as a ``base_eval`` file records it.
+
+    The env, task and policy groups as configured, less what gives the same bytes whatever its
+    value (``task.processes`` and ``task.threads``: tested so) or what the base evaluation
+    overrides (``env.num_envs``, ``env.action_mode``: it runs ``cfg.eval.episodes`` slots in residual
+    mode with no correction), so the runs of one job that differ only in seed or action mode share
+    one evaluation; the env's deployment digest (weights checksum, simulator identity, episode
+    length); the graphs switch, the device type and each split's episodes.
+
+    Args:
+        cfg: a composed training config.
+        splits: split name to its episodes.
+        deployment: the deployment digest of an env of ``cfg`` (its ``engine.bufs.deployment``).
+        device: overrides ``runtime.device``.
+
+    Returns:
+        A JSON-able dict.
+    """
+    env = OmegaConf.to_container(cfg.env, resolve=True)
+    task = OmegaConf.to_container(cfg.task, resolve=True)
+    for part, keys in ((env, ("num_envs", "action_mode")), (task, ("processes", "threads"))):
+        for key in keys:
+            part.pop(key, None)
+    return {
+        "version": BASE_FILE_VERSION,
+        "deployment": deployment,
+        "env": env,
+        "task": task,
+        "policy": OmegaConf.to_container(cfg.policy, resolve=True),
+        "graphs": cfg.runtime.graphs,
+        "device": resolve_device(device or cfg.runtime.device).type,
+        "eval_slots": cfg.eval.episodes,
+        "splits": dict(splits),
+    }
+
+
+def _read_base(path: Path, identity: dict) -> tuple[dict[str, EvalResult], float]:
+    """A ``base_eval`` file's results and seconds, if it holds the evaluation ``identity`` names."""
+    try:
+        record = json.loads(path.read_text())
+        held = record["identity"]
+        if not isinstance(held, dict):
+            raise TypeError(f"its identity is a {type(held).__name__}, not a mapping")
+        results = {
+            split: EvalResult(
+                r["success"], r["mean_return"], r["episodes"], {k: (v[0], v[1]) for k, v in r["by_instruction"].items()}
+            )
+            for split, r in record["results"].items()
+        }
+        seconds = float(record["seconds"])
+    except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
+        raise ConfigError(
+            f"config key 'base_eval': {path} is not a base evaluation file ({type(e).__name__}: {e}); "
+            "delete it to evaluate the base policy again"
+        ) from e
+    if held != identity or set(results) != set(identity["splits"]):
+        differs = sorted(k for k in identity.keys() | held.keys() if held.get(k) != identity.get(k)) or ["splits"]
+        raise ConfigError(
+            f"config key 'base_eval': {path} holds the base policy's evaluation under another "
+            f"configuration (it differs in: {', '.join(differs)}); delete it to evaluate again, or name "
+            "the file written for this one"
+        )
+    return results, seconds
+
+
+def base_evaluation(
+    cfg: DictConfig,
+    splits: dict[str, int],
+    deployment: str,
+    device: str | None = None,
+    env: FlashRTVectorEnv | None = None,
+) -> tuple[dict[str, EvalResult], float]:
+    """The base policy's evaluation (:func:`evaluate_base`), run once for the runs that share it.
+
+    With ``base_eval`` null it runs here. With ``base_eval`` naming a file, it is read from that
+    file when the file holds this same evaluation (:func:`base_identity`), else run here and
+    written there (atomically). Why: every seed of a job, and both action modes, evaluate the same
+    base policy on the same starts; on Meta-World's CPU physics that took 87 of a run's 200 s
+    (``docs/training/metaworld_mt10_choice_h100_0352854``), so ``scripts/metaworld_main.sh``
+    evaluates it once on all the cores and its runs read it.
+
+    Args:
+        cfg: a composed training config.
+        splits: split name to its episodes.
+        deployment: the deployment digest of an env of ``cfg`` (its ``engine.bufs.deployment``).
+        device: overrides ``runtime.device``.
+        env: as :func:`evaluate_base`'s.
+
+    Returns:
+        Split name to its result, and the seconds the evaluation took where it ran (the file's
+        record when read: the final evaluation's estimate for ``time_limit_includes_eval``).
+
+    Raises:
+        ConfigError: ``base_eval`` names a file of another evaluation, or one that is not a
+            base evaluation file.
+    """
+    path = Path(cfg.base_eval) if cfg.get("base_eval") else None
+    identity = base_identity(cfg, splits, deployment, device)
+    if path is not None and path.is_file():
+        results, seconds = _read_base(path, identity)
+        logger.info("base policy: read from %s (evaluated in %.0f s)", path, seconds)
+        return results, seconds
+    t = time.time()
+    results = evaluate_base(cfg, splits, device, env)
+    seconds = time.time() - t
+    if path is not None:
+        record = {
+            "identity": identity,
+            "seconds": seconds,
+            "results": {
+                split: {
+                    "success": float(r.success),
+                    "mean_return": float(r.mean_return),
+                    "episodes": int(r.episodes),
+                    "by_instruction": {k: list(v) for k, v in r.by_instruction.items()},
+                }
+                for split, r in results.items()
+            },
+        }
+        atomic_write(path, lambda f: f.write((json.dumps(record, indent=1) + "\n").encode()))
+    return results, seconds
