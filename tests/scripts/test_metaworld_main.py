@@ -1,6 +1,7 @@
-"""scripts/metaworld_main.sh's protocol with a stand-in interpreter (no training): both action modes
-run seed 0 side by side, the mode aggregate.py names best on validation then runs every seed, and
-with no mode named the script stops and says why."""
+"""scripts/metaworld_main.sh's protocol with a stand-in interpreter (no training): the base policy
+evaluated once on all the cores into the file every run reads, both action modes run seed 0 side by
+side, the mode aggregate.py names best on validation then runs every seed, and with no mode named
+the script stops and says why."""
 
 import os
 import subprocess
@@ -9,7 +10,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 FAKE = """#!/usr/bin/env bash
 case "$1" in
-  scripts/train.py) echo "train ${*:2}" >> "$LOG" ;;
+  scripts/train.py)
+    echo "train ${*:2}" >> "$LOG"
+    # a run side by side with another returns only once that one has started too (10 s at most),
+    # so "both modes started before either was aggregated" does not hang on the scheduler
+    for _ in $(seq 100); do [ "$(grep -c '^train' "$LOG")" -ge 2 ] && break; sleep 0.1; done ;;
+  scripts/eval.py) echo "eval ${*:2}" >> "$LOG" ;;
   scripts/aggregate.py)
     echo "aggregate $2" >> "$LOG"
     case "$2" in */choice) [ -n "$BEST" ] && echo "best on validation: $BEST (report its test figure)" ;; esac ;;
@@ -31,8 +37,14 @@ def run(tmp_path: Path, best: str) -> tuple[subprocess.CompletedProcess, list[st
 def test_the_mode_best_on_validation_runs_every_seed(tmp_path):
     done, events = run(tmp_path, "residual")
     assert done.returncode == 0, done.stderr
+    base = tmp_path / "out_residual" / "base_eval.json"
+    assert events[0].startswith("eval experiment=metaworld_mt10") and f"base_eval={base}" in events[0]
+    cores = subprocess.run(["nproc"], capture_output=True, text=True, env=os.environ).stdout.strip()
+    assert f"task.processes={cores}" in events[0] and "agent.kwargs.lr=1e-4" in events[0]  # all the cores
+    assert sum(e.startswith("eval") for e in events) == 1  # once for both stages
     cut = events.index(f"aggregate {tmp_path / 'out_residual' / 'choice'}") + 1
-    choice, main = events[:cut], events[cut:]  # each mode's headline aggregates its own folder too
+    choice, main = events[1:cut], events[cut:]  # each mode's headline aggregates its own folder too
+    assert all(f"base_eval={base}" in e for e in events if e.startswith("train"))
     trains = sorted(e for e in choice if e.startswith("train"))
     assert [("env=noise" in t, "env=residual" in t, "seed=0" in t, "time_limit_s=3" in t) for t in trains] == [
         (True, False, True, True),
@@ -62,12 +74,14 @@ def test_the_stages_run_apart_on_the_choice_written_to_the_folder(tmp_path):
     first = subprocess.run(cmd, cwd=ROOT, env={**env, "STAGE": "choice"}, capture_output=True, text=True)
     assert first.returncode == 0, first.stderr
     choice = log.read_text().split("\n")[:-1]
+    assert choice[0].startswith("eval") and sum(e.startswith("eval") for e in choice) == 1
     assert sorted(e.split()[1] for e in choice if e.startswith("train")) == ["seed=0", "seed=0"]
     assert (out / "choice.txt").read_text().startswith("best on validation: noise")
     log.unlink()
     second = subprocess.run(cmd, cwd=ROOT, env={**env, "STAGE": "main", "BEST": ""}, capture_output=True, text=True)
     assert second.returncode == 0, second.stderr
     main = log.read_text().split("\n")[:-1]
+    assert main[0].startswith("eval") and sum(e.startswith("eval") for e in main) == 1  # this sitting's own
     runs = [e for e in main if e.startswith("train")]
     assert sorted(e.split()[1] for e in runs) == [f"seed={s}" for s in range(5)]
     assert all("env=noise" in e for e in runs) and f"aggregate {out / 'choice'}" not in main
