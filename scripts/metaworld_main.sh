@@ -39,7 +39,7 @@ esac
 
 # The base policy's evaluation, once on all the cores into a file every run of this invocation reads
 # (config key base_eval): each run would otherwise evaluate the same base policy on the same starts
-# inside its time limit (87 of a choice run's 200 s on one H100). Should it fail, each run evaluates it.
+# inside its time limit (README, Meta-World: a large part of it). Should it fail, each run evaluates it.
 base="$out/base_eval.json"
 evaluate_base() {
   mkdir -p "$out"
@@ -72,7 +72,7 @@ echo "chosen on validation: env=$mode"
 [ "$stage" = choice ] && exit 0
 [ "$stage" = main ] && evaluate_base
 # The seeds' final evaluations (1 280 episodes each, five runs sharing the cores) come close to
-# headline.sh's default 180 s grace: two runs of 8 processes took ~85 s for theirs, at ~2 000 env
-# steps/s summed, so five take ~160 s at best. A larger grace only delays the stop of a run that hangs.
+# headline.sh's default 180 s grace at the evaluation rates the choice stage measured (README,
+# Meta-World). A larger grace only delays the stop of a run that hangs.
 GRACE=${GRACE:-360} SEEDS="${seeds[*]}" NAME=$mode bash scripts/headline.sh "$out/main" "${RUN_S:-420}" experiment=metaworld_mt10 \
   env="$mode" task.processes="$per_run" base_eval="$base" "${extra[@]}"

@@ -301,9 +301,9 @@ def base_evaluation(
     With ``base_eval`` null it runs here. With ``base_eval`` naming a file, it is read from that
     file when the file holds this same evaluation (:func:`base_identity`), else run here and
     written there (atomically). Why: every seed of a job, and both action modes, evaluate the same
-    base policy on the same starts; on Meta-World's CPU physics that took 87 of a run's 200 s
-    (``docs/training/metaworld_mt10_choice_h100_0352854``), so ``scripts/metaworld_main.sh``
-    evaluates it once on all the cores and its runs read it.
+    base policy on the same starts, and on Meta-World's CPU physics that is a large part of a short
+    run's time limit (README, Meta-World), so ``scripts/metaworld_main.sh`` evaluates it once on
+    all the cores and its runs read it.
 
     Args:
         cfg: a composed training config.
