@@ -203,7 +203,8 @@ def plot(groups: dict[str, list[dict]], path: Path) -> None:
         x = np.array([p["env_steps"] for p in curves[0][:n]])
         y = [estimate([c[i]["success"] for c in curves], CURVE_REPS) for i in range(n)]
         what = "IQM, 95 % CI" if y[0]["stat"] == "iqm" else "mean, range"
-        (line,) = ax.plot(x, [v["value"] for v in y], label=f"{name} (n={len(runs)}; {what})")
+        # markers: a group evaluated once (a short run) is a point, which a bare line would not show
+        (line,) = ax.plot(x, [v["value"] for v in y], marker="o", ms=3, label=f"{name} (n={len(runs)}; {what})")
         ax.fill_between(x, [v["lo"] for v in y], [v["hi"] for v in y], alpha=0.2)
         base = estimate([c[0]["base_success"] for c in curves], CURVE_REPS)["value"]
         ax.axhline(base, ls="--", lw=1, color=line.get_color(), label=f"{name}: base policy")
