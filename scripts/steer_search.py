@@ -25,12 +25,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import torch
+from benchlib import provenance
 from omegaconf import OmegaConf
 from tqdm import tqdm
 
@@ -136,7 +138,8 @@ def main() -> None:
     }
     for c in args.scales:
         baselines[f"normal_x{c:g}_success"] = lambda n, d, c=c: c * torch.randn(n, d, generator=gen)
-    result = {"task": args.task, "overrides": args.overrides, "weights": args.weights}
+    result = {**provenance(), "command": " ".join(["python scripts/steer_search.py", *sys.argv[1:]])}
+    result |= {"task": args.task, "overrides": args.overrides, "weights": args.weights}
     result |= {"episodes": args.episodes, "candidates": args.candidates, "lookahead": args.lookahead}
     result |= {"device": args.device, "by_instruction": {}}
     for name, draw in tqdm(baselines.items(), desc="noise laws", unit="law"):

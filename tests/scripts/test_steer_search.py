@@ -18,6 +18,8 @@ def test_search_runs_and_reports_every_method(tmp_path, micro):
     assert done.returncode == 0, done.stderr[-3000:]
     r = json.loads(out.read_text())
     assert (r["episodes"], r["candidates"], r["lookahead"]) == (3, 2, 2)
+    assert r["commit"] and r["cpu"] and "gpu" in r  # where it was measured
+    assert r["command"] == " ".join(["python scripts/steer_search.py", *cmd[2:], *args])
     for key in (
         "base_success",
         "zero_noise_success",
