@@ -18,7 +18,10 @@ slots are skipped):
   box (``max_episode_steps`` 50, so slots autoreset at their natural times), on ``--device``:
   eager on the CPU, or the policy's captured graphs on a GPU with the physics on the CPU threads
   (the GPU machine's setting). The policy is ``--weights`` (a Meta-World policy: 4-D actions and
-  proprioception), by default the shipped MT10 policy.
+  proprioception), by default the shipped MT10 policy. Where the step's time goes: each host
+  method's ms and calls a step (``host_ms_per_step``, ``host_calls_per_step``: the physics, the
+  frames, the state rows, the resets) and the rest (``outside_host_ms_per_step``: the policy's
+  graphs, the copies to and from the device, Python).
 
 With ``--frames PATH``, a PNG of the camera's first frame of each MT10 task (the policy's
 resolution, each pixel drawn 3x3) is written there too.
@@ -33,12 +36,14 @@ the figures are lower bounds.
 from __future__ import annotations
 
 import argparse
+import collections
 import functools
 import json
 import os
 import platform
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -49,6 +54,7 @@ from flashrt.runtime import atomic_write
 from flashrt_gym import FlashRTVectorEnv
 from flashrt_gym.sims import MetaWorld, metaworld
 from flashrt_gym.sims.metaworld_tasks import EPISODE_STEPS
+from flashrt_gym.simulator import ExternalSimulator, protocol_members
 
 
 def timed(step, steps: int, warmup: int, budget_s: float, slots: int) -> dict:
@@ -125,16 +131,54 @@ def bench_env(n: int, threads: int, processes: int, weights: str | None, args: a
     env.reset(seed=0)
     built = time.perf_counter() - t
     rng = np.random.default_rng(0)
-    finished = [0]
+    finished, calls = [0], [0]
     shape = env.action_space.shape
+    host_s, host_calls = time_host_calls(env.engine.mirror.host)
 
     def step() -> None:
+        if calls[0] == args.warmup:  # the timed steps' host calls only
+            host_s.clear()
+            host_calls.clear()
+        calls[0] += 1
         *_, terminated, truncated, _ = env.step(rng.uniform(-1, 1, shape).astype(np.float32))
         finished[0] += int((terminated | truncated).sum())
 
     row = {"build_and_reset_s": built} | timed(step, args.steps, args.warmup, args.budget_s, n)
     env.close()
-    return row | {"episodes_finished": finished[0]}
+    steps = row["steps"]
+    host_ms = {k: v * 1e3 / steps for k, v in sorted(host_s.items(), key=lambda kv: -kv[1])}
+    return row | {
+        "episodes_finished": finished[0],
+        "host_ms_per_step": host_ms,
+        "host_calls_per_step": {k: host_calls[k] / steps for k in host_ms},
+        "outside_host_ms_per_step": row["mean_ms"] - sum(host_ms.values()),
+    }
+
+
+def time_host_calls(host: object) -> tuple[dict[str, float], dict[str, int]]:
+    """Wrap the external simulator's methods on ``host`` (the env's, in place) with timers: where
+    an env step's time goes on the host, by method; the rest of the step (``outside_host``) is
+    the policy's graphs, the copies to and from the device and Python.
+
+    Returns:
+        (seconds, calls) by method name, filled as the env steps.
+    """
+    seconds: dict[str, float] = collections.defaultdict(float)
+    calls: dict[str, int] = collections.defaultdict(int)
+    _, methods = protocol_members(ExternalSimulator)
+    for name in methods:
+        method = getattr(host, name)
+
+        def timed_call(*a: object, _method: Callable = method, _name: str = name, **k: object) -> object:
+            t = time.perf_counter()
+            try:
+                return _method(*a, **k)
+            finally:
+                seconds[_name] += time.perf_counter() - t
+                calls[_name] += 1
+
+        setattr(host, name, timed_call)
+    return seconds, calls
 
 
 def save_frames(path: Path, size: int) -> None:

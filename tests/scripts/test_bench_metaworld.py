@@ -29,6 +29,11 @@ def test_the_sim_and_env_rows_are_written(tmp_path):
     assert all(r["steps"] == 2 and r["sustained_chunks_per_s"] > 0 for r in rows)
     one, two = (r for r in rows if r["row"] == "sim")
     assert one["host_MB"] is None and two["host_MB"] > 0  # two fresh workers' resident sets
+    for env in (r for r in rows if r["row"] == "env"):  # where a step's time goes, by host method
+        host = env["host_ms_per_step"]
+        assert env["host_calls_per_step"]["run_ticks"] == 1 and host["run_ticks"] > 0  # one chunk a step
+        assert env["host_calls_per_step"]["render"] >= 1 and "set_state" not in host
+        assert env["outside_host_ms_per_step"] == pytest.approx(env["mean_ms"] - sum(host.values()))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here")
