@@ -9,7 +9,7 @@ references (before/after measurements in one process).
 module                           kernels
 ===============================  ========================================================================
 ``kernels.norm``                 residual add + RMSNorm / LayerNorm; pi0.5's gated add + adaptive RMSNorm
-``kernels.activation``           gated-MLP activation ``gelu_tanh(gate) * up``
+``kernels.activation``           gated-MLP activation ``gelu_tanh(gate) * up``; GELU + FP8 quantiser
 ``kernels.rotary``               QKV split + rotary embedding, keys/values written into cache views
 ``kernels.norm_linear``          RMSNorm + projection + its consumer (rotary split, or GeGLU) in one pass
 ``kernels.matmul``               few-row projection (+ GELU, + GeGLU), added onto the residual, or as split-k partials
@@ -22,7 +22,7 @@ module                           kernels
 ===============================  ========================================================================
 """
 
-from flashrt.kernels.activation import gelu_mul
+from flashrt.kernels.activation import gelu, gelu_mul
 from flashrt.kernels.backend import implementation, reference_only, use_triton
 from flashrt.kernels.flow import euler_step, time_embed
 from flashrt.kernels.grouped_attention import attention
@@ -46,6 +46,7 @@ __all__ = [
     "draw_normal_",
     "euler_step",
     "gated_add",
+    "gelu",
     "gelu_mul",
     "implementation",
     "linear",

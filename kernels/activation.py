@@ -4,7 +4,10 @@ both halves once and writes ``(..., m)``, where the reference takes a chunk, a G
 (three passes over memory). The plain MLP's ``gelu_tanh(x W^T + b)`` runs in its projection
 (:func:`flashrt.kernels.matmul.linear_gelu`). With ``fp8=True`` the output leaves quantised per row
 for the FP8 down projection (:data:`flashrt.kernels.fp8.Rows`): one program a row holds the row's
-product, its largest magnitude, the scale and the e4m3 values.
+product, its largest magnitude, the scale and the e4m3 values. An FP8 plain MLP cannot take its
+GELU in the GEMM's epilogue (``torch._scaled_mm`` has none), so :func:`gelu` does the same for it:
+the GELU and the quantisation of its output in one pass, where torch's GELU and
+:func:`flashrt.kernels.fp8.quantize_rows` took two.
 """
 
 from __future__ import annotations
@@ -57,6 +60,23 @@ if triton is not None:
         tl.store(q + row * m + cols, v.to(tl.float8e4nv), mask=inside)
         tl.store(scale + row, tl.div_rn(amax, 448.0))
 
+    @triton.jit
+    def _gelu_fp8_kernel(x, q, scale, m, s_x, BLOCK: tl.constexpr):
+        # kernels.fp8.quantize_rows of gelu_tanh(x) rounded to x's dtype, the whole row in one
+        # program; the GELU in float32 as geglu takes it (tanh through exp), within a float32
+        # ulp or two of torch's
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        inside = cols < m
+        v = tl.load(x + row * s_x + cols, mask=inside, other=0.0)
+        f = v.to(tl.float32)
+        z = 0.7978845608028654 * (f + 0.044715 * f * f * f)
+        y = (0.5 * f * (2.0 - 2.0 / (tl.exp(2.0 * z) + 1.0))).to(v.dtype).to(tl.float32)
+        amax = tl.maximum(tl.max(tl.abs(y), axis=0), 1e-12)  # fp8.MIN_AMAX
+        w = tl.minimum(tl.maximum(y * tl.div_rn(448.0, amax), -448.0), 448.0)  # rounded as torch divides
+        tl.store(q + row * m + cols, w.to(tl.float8e4nv), mask=inside)
+        tl.store(scale + row, tl.div_rn(amax, 448.0))
+
 
 _BLOCK = 1024
 
@@ -99,3 +119,35 @@ def gelu_mul(gate_up: torch.Tensor, *, fp8: bool = False) -> torch.Tensor | Rows
     if gate_up.shape[-1] // 2 <= MAX_ROW:
         return gelu_mul_fp8_triton(gate_up)
     return quantize_rows(gelu_mul_triton(gate_up))
+
+
+def gelu_fp8_triton(x: torch.Tensor) -> Rows:
+    """The Triton kernel of ``gelu(x, fp8=True)`` (a program a row; rows at any stride)."""
+    m = x.shape[-1]
+    x2 = x.reshape(-1, m)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    q = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty((*x.shape[:-1], 1), dtype=torch.float32, device=x.device)
+    if x2.shape[0] and m:
+        block = triton.next_power_of_2(m)
+        _gelu_fp8_kernel[(x2.shape[0],)](x2, q, scale, m, x2.stride(0), BLOCK=block,
+                                         num_warps=min(16, max(1, block // 256)))  # fmt: skip
+    return q, scale
+
+
+def gelu(x: torch.Tensor, *, fp8: bool = False) -> torch.Tensor | Rows:
+    """``gelu_tanh(x)`` (torch's ``F.gelu(x, approximate="tanh")``); with ``fp8``, that output
+    quantised per row (:func:`flashrt.kernels.fp8.quantize_rows`'s ``(q, scale)``), on CUDA in
+    one kernel that takes the GELU and the quantisation together (rows up to
+    :data:`flashrt.kernels.fp8.MAX_ROW` long).
+
+    Raises:
+        ValueError: ``x`` is not floating point.
+    """
+    if not x.is_floating_point():
+        raise ValueError(f"gelu: x must be floating-point activations, got {x.dtype}")
+    if fp8 and use_triton(x) and 0 < x.shape[-1] <= MAX_ROW:
+        return gelu_fp8_triton(x)
+    out = F.gelu(x, approximate="tanh")
+    return quantize_rows(out) if fp8 else out

@@ -9,9 +9,12 @@ scales, nothing calibrated), and the product is
     y[i, j] = (sum_k xq[i, k] * wq[j, k]) * sx[i] * sw[j] (+ bias[j]), rounded once,
 
 one Hopper/Ada FP8 tensor-core GEMM with row-wise scales in its epilogue: ``torch._scaled_mm``
-(capturable in a CUDA graph). Its layout rules, checked here: the first operand row-major, the
-second column-major (a row-major weight's transpose), ``k`` and ``n`` multiples of 16, scales
-float32 of shapes (m, 1) and (1, n), bf16 output. Where that GEMM cannot run (a CPU, a GPU below
+(capturable in a CUDA graph), with fast accumulation (``use_fast_accum``: the tensor cores'
+own accumulator over the whole sweep of ``k``, not promoted to float32 every few steps: faster
+at pi0's shapes, for an error far below the quantisation's own; measured in docs/FP8.md). Its
+layout rules, checked here: the first operand row-major, the second column-major (a row-major
+weight's transpose), ``k`` and ``n`` multiples of 16, scales float32 of shapes (m, 1) and
+(1, n), bf16 output. Where that GEMM cannot run (a CPU, a GPU below
 compute capability 8.9, an activation that is not bf16) :func:`linear` computes the same
 quantised product from the dequantised operands in float32 (:func:`linear_emulated`), so every
 machine runs the FP8 numerics; the two differ only in summation order and the final rounding.
@@ -28,7 +31,7 @@ import torch
 
 from flashrt.kernels.backend import check_layout, tl, triton, use_triton
 
-VERSION = "2"
+VERSION = "3"
 """Bump when the FP8 numerics change (the quantisation, or which projections it takes):
 deployment digests of FP8 policies name it."""
 E4M3 = torch.float8_e4m3fn
@@ -192,6 +195,7 @@ def _product(rows: Rows, weight: Fp8Weight, bias: torch.Tensor | None, dtype: to
         scale_b=weight.scale.view(1, n),
         bias=None if bias is None else bias.to(torch.bfloat16),
         out_dtype=torch.bfloat16,
+        use_fast_accum=True,
     )
     return out.view(*q.shape[:-1], n)
 

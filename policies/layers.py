@@ -11,7 +11,6 @@ from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from flashrt.kernels import (
@@ -24,6 +23,7 @@ from flashrt.kernels import (
     attention,
     fp8,
     gated_add,
+    gelu,
     gelu_mul,
     linear,
     linear_geglu,
@@ -449,8 +449,8 @@ class VisionBlock(nn.Module):
     def forward(self, x: torch.Tensor, delta: Biased, patches: int) -> tuple[torch.Tensor, Biased]:
         """x (N, C*P, W) and the pending ``delta`` (x's shape or its trailing dims) -> the block's
         output as the same pair (the stream is their sum); attention runs within each image of
-        ``patches`` tokens. With :meth:`quantize_fp8` the projections are FP8 GEMMs (biases and
-        the GELU in bf16, apart)."""
+        ``patches`` tokens. With :meth:`quantize_fp8` the projections are FP8 GEMMs (the GELU
+        in bf16, apart, quantising its output)."""
         n, t, w = x.shape
         if self.fp8 is not None:
             return self._forward_fp8(x, delta, patches)
@@ -461,15 +461,16 @@ class VisionBlock(nn.Module):
         return x, Biased(linear(linear_gelu(h, self.fc1.weight, self.fc1.bias), self.fc2.weight), self.fc2.bias)
 
     def _forward_fp8(self, x: torch.Tensor, delta: Biased, patches: int) -> tuple[torch.Tensor, Biased]:
-        """:meth:`forward` with the four projections as FP8 GEMMs: each norm quantises its output
-        per row in its own kernel (``fp8=True``); the biases and the GELU run in bf16, apart."""
+        """:meth:`forward` with the four projections as FP8 GEMMs: each norm, and the GELU,
+        quantise their output per row in their own kernel (``fp8=True``); the q/k/v and fc1
+        biases are added in their GEMM's epilogue, the others by the norm after."""
         n, t, w = x.shape
         q8 = self.fp8.get()
         x, h = layer_norm(self.norm1, x, delta, fp8=True)
         attn = self._attention(fp8.linear_rows(h, q8["qkv"], self.qkv.bias, dtype=x.dtype), n, t, w, patches)
         x, h = layer_norm(self.norm2, x, Biased(fp8.linear(attn, q8["o"]), self.o.bias), fp8=True)
-        f = F.gelu(fp8.linear_rows(h, q8["fc1"], self.fc1.bias, dtype=x.dtype), approximate="tanh")
-        return x, Biased(fp8.linear(f, q8["fc2"]), self.fc2.bias)
+        f = gelu(fp8.linear_rows(h, q8["fc1"], self.fc1.bias, dtype=x.dtype), fp8=True)
+        return x, Biased(fp8.linear_rows(f, q8["fc2"], dtype=x.dtype), self.fc2.bias)
 
     def _attention(self, qkv: torch.Tensor, n: int, t: int, w: int, patches: int) -> torch.Tensor:
         """Full attention within each image of ``patches`` tokens: (N, C*P, 3W) -> (N, C*P, W)."""

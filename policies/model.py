@@ -343,10 +343,15 @@ class FlowPolicy(nn.Module):
         # Writing into a cache (no autograd), the state token's layer i runs on a stream of its own
         # as soon as the prefix's layer i is done, beside the prefix's later layers: the same
         # kernels in the same order, so the same bytes.
+        # A layer's down projection that is not accumulated in its GEMM (an FP8 layer's) is added
+        # by the next layer's first norm (``DecoderLayer.forward_deferred``), not by an add of its own.
         side = Stream(x.device) if state and kv is not None and not torch.compiler.is_compiling() else None
+        pending = None
         for i, layer in enumerate(self.prefix):
             out = None if kv is None else kv[:, i, :, :, : x.shape[1]]
-            x, k, v = layer(x, pos0, self.inv_freq, layer_segments(context, i), own_mask=own, kv_out=out)
+            x, pending, k, v = layer.forward_deferred(
+                x, pending, pos0, self.inv_freq, layer_segments(context, i), own_mask=own, kv_out=out
+            )
             kvs.append((k, v))
             if state:
                 with beside(side, s, pos, own):
@@ -356,7 +361,7 @@ class FlowPolicy(nn.Module):
                 kvs[i] = (torch.cat([k, k1], 2), torch.cat([v, v1], 2)) if kv is None else kvs[i]
         if side is not None:
             Stream.current(x.device).wait(Event.record_on(side))
-        feats = self.prefix_norm(x).mean(1, dtype=torch.float32)
+        feats = self.prefix_norm(settle(x, pending)).mean(1, dtype=torch.float32)
         return self._stack(kv, kvs), feats
 
     # -- action expert -------------------------------------------------------------------------

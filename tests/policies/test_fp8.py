@@ -82,13 +82,13 @@ class Products:
     input with the unquantised weight (float32), or with ``exact`` returns that exact product
     instead (in the input's dtype).
 
-    The projections after a norm or the GeGLU take rows their producer quantised in its own kernel
+    The projections after a norm, the GELU or the GeGLU take rows their producer quantised in its own kernel
     (``fp8=True``, then :func:`fp8.linear_rows`). Installed, those producers hand on their
     unquantised output instead, as ``(output, None)``, and :func:`fp8.linear_rows` of it runs as
     :func:`fp8.linear` of that output: the same product bit for bit
     (``tests/kernels/test_fp8.py``), now with its input at hand."""
 
-    PRODUCERS = ("add_rms_norm", "add_ada_rms_norm", "add_layer_norm", "gelu_mul")
+    PRODUCERS = ("add_rms_norm", "add_ada_rms_norm", "add_layer_norm", "gelu", "gelu_mul")
 
     def __init__(self, model: FlowPolicy, exact: bool = False) -> None:
         self.real, self.exact, self.worst, self.calls = fp8.linear, exact, 0.0, 0
