@@ -29,7 +29,7 @@ from typing import NamedTuple
 
 import torch
 
-from flashrt.kernels.backend import check_layout, tl, triton, use_triton
+from flashrt.kernels.backend import check_layout, dependent_launch, tl, triton, use_triton
 
 VERSION = "3"
 """Bump when the FP8 numerics change (the quantisation, or which projections it takes):
@@ -44,6 +44,11 @@ ALIGN = 16
 """``torch._scaled_mm`` takes ``k`` and ``n`` in multiples of 16."""
 MAX_ROW = 1 << 16
 """The longest row a quantising kernel holds in one program; longer rows quantise in torch."""
+FEW_ROWS = 64
+"""Most rows a product takes the few-row Triton kernel for (:func:`linear_rows_triton`: the
+action expert's 50 tokens at one slot); more take ``torch._scaled_mm``."""
+FEW_BK = 256
+"""The few-row kernel's ``k`` step: 256 e4m3 values, the bytes of the bf16 kernels' 128."""
 
 
 Rows = tuple[torch.Tensor, torch.Tensor]
@@ -119,6 +124,7 @@ def quantize_rows_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
 
 
 if triton is not None:
+    from flashrt.kernels.backend import inputs_ready
 
     @triton.jit
     def _quantize_rows_kernel(x, q, scale, K, s_x, BLOCK: tl.constexpr):
@@ -130,6 +136,69 @@ if triton is not None:
         y = tl.minimum(tl.maximum(v * inv, -448.0), 448.0)
         tl.store(q + row * K + ks, y.to(tl.float8e4nv), mask=ks < K)
         tl.store(scale + row, tl.div_rn(amax, 448.0))
+
+    @triton.jit
+    def _few_rows_kernel(
+        q, sx, w, sw, bias, out, rows, K, N,
+        HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GDC: tl.constexpr,
+    ):  # fmt: skip
+        # Program j: every row (at most BM) by weight rows j*BN.., k swept in BK blocks
+        # (pipelined), e4m3 x e4m3 on the tensor cores into float32; the scales, then the bias,
+        # in the epilogue, rounded once to the output dtype.
+        cols = tl.program_id(0) * BN + tl.arange(0, BN)
+        row = tl.arange(0, BM)
+        live = row < rows
+        ks = tl.arange(0, BK)
+        s_w = tl.load(sw + cols, mask=cols < N, other=0.0)  # constants of the graph: before the wait
+        if HAS_BIAS:
+            b = tl.load(bias + cols, mask=cols < N, other=0.0).to(tl.float32)
+        inputs_ready(GDC)
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        w_rows = w + cols[:, None].to(tl.int64) * K
+        for k0 in range(0, K, BK):
+            kin = (k0 + ks) < K
+            x = tl.load(q + row[:, None] * K + (k0 + ks)[None, :], mask=live[:, None] & kin[None, :], other=0.0)
+            wt = tl.load(w_rows + (k0 + ks)[None, :], mask=(cols < N)[:, None] & kin[None, :], other=0.0)
+            acc += tl.dot(x, tl.trans(wt))
+        acc = acc * tl.load(sx + row, mask=live, other=0.0)[:, None] * s_w[None, :]
+        if HAS_BIAS:
+            acc += b[None, :]
+        dst = out + row[:, None].to(tl.int64) * N + cols[None, :]
+        tl.store(dst, acc.to(out.dtype.element_ty), mask=live[:, None] & (cols < N)[None, :])
+
+
+def few_rows(rows: Rows, weight: Fp8Weight) -> bool:
+    """Whether :func:`linear_rows` takes the few-row Triton kernel for ``rows``: at most
+    :data:`FEW_ROWS` of them, on Triton."""
+    q, s = rows
+    m = q.numel() // max(q.shape[-1], 1)
+    return 0 < m <= FEW_ROWS and use_triton(q, s, weight.data, weight.scale)
+
+
+def linear_rows_triton(
+    rows: Rows, weight: Fp8Weight, bias: torch.Tensor | None = None, dtype: torch.dtype = torch.bfloat16
+) -> torch.Tensor:
+    """The product of :func:`linear_rows` over few rows (:func:`few_rows`) as one Triton kernel:
+    a program a block of output channels holds every row and sweeps ``k``, so each weight row is
+    read once; the scales and the bias in its epilogue. Over a few dozen rows a projection's cost
+    is its weight's trip and its chain of steps, where ``torch._scaled_mm``'s tiles (with the
+    row-wise scales) are slower than even bf16 cuBLAS (docs/FP8.md). Inside a graph it launches
+    dependent (:func:`flashrt.kernels.backend.dependent_launch`)."""
+    q, s = rows
+    n, k = weight.data.shape
+    q2 = q.reshape(-1, k)
+    if q2.stride(-1) != 1 or q2.stride(0) != k:
+        q2 = q2.contiguous()
+    m = q2.shape[0]
+    out = torch.empty((*q.shape[:-1], n), dtype=dtype, device=q.device)
+    bn = next((bn for bn in (64, 32) if n >= 64 * bn), 16)  # >= 64 programs where n allows
+    grid = (triton.cdiv(n, bn),)
+    _few_rows_kernel[grid](
+        q2, s.reshape(-1), weight.data, weight.scale, out if bias is None else bias, out, m, k, n,
+        HAS_BIAS=bias is not None, BM=max(16, triton.next_power_of_2(m)), BN=bn, BK=FEW_BK, num_warps=4,
+        num_stages=3, **dependent_launch(q.device, grid[0]),
+    )  # fmt: skip
+    return out
 
 
 def quantize_rows_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -179,8 +248,9 @@ def _check(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None) -> Non
 
 def _product(rows: Rows, weight: Fp8Weight, bias: torch.Tensor | None, dtype: torch.dtype, gemm: bool) -> torch.Tensor:
     """The product of quantised rows and a quantised weight, ``(..., n)`` in ``dtype``: with
-    ``gemm`` one ``torch._scaled_mm`` (bf16; the scales in its epilogue), else from the
-    dequantised operands in float32, rounded once."""
+    ``gemm`` one FP8 tensor-core kernel (bf16; the scales in its epilogue): over few rows
+    :func:`linear_rows_triton`, else ``torch._scaled_mm``; without, from the dequantised
+    operands in float32, rounded once."""
     q, s = rows
     n, k = weight.data.shape
     if not gemm:
@@ -188,6 +258,8 @@ def _product(rows: Rows, weight: Fp8Weight, bias: torch.Tensor | None, dtype: to
         if bias is not None:
             out = out + bias.float()
         return out.to(dtype)
+    if few_rows(rows, weight):
+        return linear_rows_triton(rows, weight, bias, dtype)
     out = torch._scaled_mm(
         q.reshape(-1, k),
         weight.data.t(),  # column-major (k, n)

@@ -163,6 +163,47 @@ def test_scaled_mm_path_matches_the_emulation_and_captures():
     assert torch.equal(out, eager)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_few_rows_kernel_is_the_quantised_product(device, monkeypatch):
+    """Over few rows (the expert's 50 tokens at one slot, one state token, a ragged 17) the
+    product is one Triton kernel, e4m3 x e4m3 on the tensor cores with the scales and the bias
+    in its epilogue: the emulated product to bf16 rounding (both round once; the sums differ in
+    order), at pi0's expert shapes, inside a captured graph on CUDA. Mutation: one output
+    channel's scale x2 is caught."""
+    if device == "cpu":
+        monkeypatch.setattr(f8, "use_triton", lambda *tensors: True)
+    launches = spy_launches(monkeypatch, f8, "_few_rows_kernel")
+    g = torch.Generator(device=device).manual_seed(11)
+    for m, k, n in ((50, 1024, 2560), (1, 4096, 1024), (17, 192, 96)):
+        x = torch.randn(m, k, device=device, generator=g).bfloat16()
+        w = torch.randn(n, k, device=device, generator=g) / k**0.5
+        b = torch.randn(n, device=device, generator=g).bfloat16()
+        q, rows = f8.quantize_weight(w), f8.quantize_rows(x)
+        assert f8.few_rows(rows, q)
+        want = f8.linear_emulated(x.float(), q, b.float())
+        before = len(launches)
+        got = f8.linear_rows_triton(rows, q, b)
+        assert len(launches) == before + 1 and got.dtype == torch.bfloat16
+        torch.testing.assert_close(got.float(), want, rtol=1.6e-2, atol=1e-2)
+        torch.testing.assert_close(f8.linear_rows_triton(rows, q).float() + b.float(), want, rtol=1.6e-2, atol=2e-2)
+        bad, c = f8.Fp8Weight(q.data, q.scale.clone()), int((want - b.float())[0].abs().argmax())
+        bad.scale[c] *= 2  # the channel of the largest product: its error is that product, not rounding
+        assert (f8.linear_rows_triton(rows, bad, b).float() - want)[0, c].abs() > 10 * 1e-2
+    assert not f8.few_rows(f8.quantize_rows(torch.randn(f8.FEW_ROWS + 1, k, device=device)), q)
+    if device == "cuda":
+        x = torch.randn(50, 1024, device=device, generator=g).bfloat16()
+        q = f8.quantize_weight(torch.randn(2560, 1024, device=device, generator=g) / 32)
+        assert f8.runs_scaled_mm(x)
+        eager = f8.linear(x, q)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = f8.linear(x, q)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager)
+        assert launches.dependent[-1]  # captured: launched dependent
+
+
 NORM_SCALE_RTOL = 1e-6
 """How far a float32 norm's e4m3 scales may be from those of its own float32 output on the GPU
 (a few float32 ulps). The norm's sum over the row is reduced in another order in the kernel
