@@ -18,7 +18,7 @@ module                           kernels
 ``kernels.rng``                  per-slot counter-based Gaussian noise (draw + counter bump); slot keys, reseeds
 ``kernels.slot_copy``            masked row copy / gather (restore, autoreset) and row scatter (fork)
 ``kernels.expert_layer``         the expert's decoder layer at up to 8 slots (CUDA C++, a cluster of 8 CTAs a slot)
-``kernels.fp8``                  e4m3 weights per channel, activations per token, torch._scaled_mm (FP8 precision)
+``kernels.fp8``                  e4m3 weights per channel, activations per token; _scaled_mm, few-row kernel
 ===============================  ========================================================================
 """
 
