@@ -135,9 +135,10 @@ def test_quantize_rows_kernel_matches_the_reference_bit_for_bit(dtype):
 @pytest.mark.cuda
 @needs_fp8
 def test_scaled_mm_path_matches_the_emulation_and_captures():
-    """bf16 activations on an FP8 GPU take one ``torch._scaled_mm``: it equals the emulated
-    product to bf16 rounding (both round once; the sums differ in order), at pi0's shapes and at
-    one row; a graph replays it. Mutation: one output channel's scale x2 is caught."""
+    """bf16 activations on an FP8 GPU take one FP8 tensor-core kernel (``torch._scaled_mm``;
+    over few rows the Triton one): it equals the emulated product to bf16 rounding (both round
+    once; the sums differ in order), at pi0's shapes and at one row; a graph replays
+    ``torch._scaled_mm``. Mutation: one output channel's scale x2 is caught."""
     g = torch.Generator(device="cuda").manual_seed(5)
     for m, k, n in ((1, 1024, 2560), (50, 4096, 1024), (816, 2048, 32768)):
         x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
@@ -152,8 +153,13 @@ def test_scaled_mm_path_matches_the_emulation_and_captures():
         bad.scale[n // 3] *= 2
         err = (f8.linear(x, bad, b).float() - want)[:, n // 3].abs().max()
         assert err > 10 * 1e-2
-    x = torch.randn(8, 1024, device="cuda", generator=g).bfloat16()
-    q = f8.quantize_weight(torch.randn(2560, 1024, device="cuda", generator=g) / 32)
+    replays_as_called(torch.randn(f8.FEW_ROWS + 36, 1024, device="cuda", generator=g).bfloat16(), g)
+
+
+def replays_as_called(x: torch.Tensor, g: torch.Generator) -> None:
+    """:func:`fp8.linear` of ``x`` captured in a CUDA graph and replayed equals its eager call."""
+    q = f8.quantize_weight(torch.randn(2560, x.shape[-1], device="cuda", generator=g) / 32)
+    assert f8.runs_scaled_mm(x)
     eager = f8.linear(x, q)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -191,16 +197,7 @@ def test_few_rows_kernel_is_the_quantised_product(device, monkeypatch):
         assert (f8.linear_rows_triton(rows, bad, b).float() - want)[0, c].abs() > 10 * 1e-2
     assert not f8.few_rows(f8.quantize_rows(torch.randn(f8.FEW_ROWS + 1, k, device=device)), q)
     if device == "cuda":
-        x = torch.randn(50, 1024, device=device, generator=g).bfloat16()
-        q = f8.quantize_weight(torch.randn(2560, 1024, device=device, generator=g) / 32)
-        assert f8.runs_scaled_mm(x)
-        eager = f8.linear(x, q)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = f8.linear(x, q)
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, eager)
+        replays_as_called(torch.randn(50, 1024, device=device, generator=g).bfloat16(), g)
         assert launches.dependent[-1]  # captured: launched dependent
 
 
