@@ -174,8 +174,8 @@ def test_few_rows_kernel_is_the_quantised_product(device, monkeypatch):
     """Over few rows (the expert's 50 tokens at one slot, one state token, a ragged 17) the
     product is one Triton kernel, e4m3 x e4m3 on the tensor cores with the scales and the bias
     in its epilogue: the emulated product to bf16 rounding (both round once; the sums differ in
-    order), at pi0's expert shapes, inside a captured graph on CUDA. Mutation: one output
-    channel's scale x2 is caught."""
+    order), at pi0's expert shapes, from rows of a wider buffer too, inside a captured graph on
+    CUDA. Mutation: one output channel's scale x2 is caught."""
     if device == "cpu":
         monkeypatch.setattr(f8, "use_triton", lambda *tensors: True)
     launches = spy_launches(monkeypatch, f8, "_few_rows_kernel")
@@ -192,6 +192,8 @@ def test_few_rows_kernel_is_the_quantised_product(device, monkeypatch):
         assert len(launches) == before + 1 and got.dtype == torch.bfloat16
         torch.testing.assert_close(got.float(), want, rtol=1.6e-2, atol=1e-2)
         torch.testing.assert_close(f8.linear_rows_triton(rows, q).float() + b.float(), want, rtol=1.6e-2, atol=2e-2)
+        strided = (torch.cat([rows[0], rows[0]], -1)[:, :k], rows[1])  # rows of a wider buffer
+        assert torch.equal(f8.linear_rows_triton(strided, q, b), got)
         bad, c = f8.Fp8Weight(q.data, q.scale.clone()), int((want - b.float())[0].abs().argmax())
         bad.scale[c] *= 2  # the channel of the largest product: its error is that product, not rounding
         assert (f8.linear_rows_triton(rows, bad, b).float() - want)[0, c].abs() > 10 * 1e-2
