@@ -33,7 +33,7 @@ from flashrt.kernels.rng import draw_normal_
 from flashrt.kernels.rotary import qkv_rope
 from flashrt.kernels.slot_copy import masked_copy_rows, masked_copy_rows_reference, scatter_rows
 
-__version__ = "0.21.0"  # bump when a kernel's numerics change: capsules name the version they were made with
+__version__ = "0.22.0"  # bump when a kernel's numerics change: capsules name the version they were made with
 
 __all__ = [
     "PartialProduct",

@@ -15,9 +15,11 @@ before and after). With few query rows (a group of at most 32) and few slots, th
 into 16-row programs, so the group's heads run on separate SMs, and each reads all its keys (up
 to a 32 KB block) at once. At head dims above 128 (pi0's 256) each source instead starts on a
 key block of its own and is swept by a loop of its own, whose rows are one buffer's: a partial
-block per source costs less there than looking each key's row up in its source; there, with
+block per source costs less there than looking each key's row up in its source. There, with
 at most as many programs as SMs, the queries and each key block are held as their two halves,
-the product over the second half accumulated onto the first's. With few
+the product over the second half accumulated onto the first's; and from a few slots on a
+program holds 64 or 128 query rows: each program of a group reads all of the group's keys, so
+taller programs read them fewer times (docs/PERFORMANCE.md). With few
 programs and many key blocks (pi0's expert at one slot: 13 programs, 15 blocks of 64 keys each)
 the keys are split over more programs (two blocks each at head dim 256), whose softmax states a
 second kernel merges. With 3 or more key blocks after the last per-token-masked source, those
@@ -381,7 +383,17 @@ def _tiles(rows: int, groups: int, keys: int, d: int, itemsize: int, sms: int) -
         return bm, 32, 2 if bm <= 32 else 4, 3  # the fastest launch shape at 1024 and 4096 slots
     if d <= 128:  # few programs
         return bm, 128 if d <= 64 and bm > 32 else 64, 4, 3
-    return bm, 64 if itemsize <= 2 else 32, 4, 2  # float32: two stages of 64-key blocks exceed shared memory
+    if itemsize > 2:  # float32: two stages of 64-key blocks exceed shared memory
+        return bm, 32, 4, 2
+    # Head dim 256 (pi0's expert: 8 heads x 50 tokens a group). Every program of a group reads all
+    # of its keys, so taller programs read them fewer times: 128 rows on 8 warps once those fill
+    # half the SMs (pi0 from 32 slots), 64 rows on 4 from a few slots on; at one or two slots the
+    # 32-row programs, split over the keys, keep the chain short.
+    if rows >= 128 and 2 * triton.cdiv(rows, 128) * groups >= sms:
+        return 128, 64, 8, 2
+    if rows >= 64 and 8 * triton.cdiv(rows, 64) * groups >= sms:
+        return 64, 64, 4, 2
+    return bm, 64, 4, 2
 
 
 def attention_triton(
