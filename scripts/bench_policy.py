@@ -15,7 +15,8 @@ run:
   under ``torch.compile(mode="reduce-overhead")``, plus its compile time;
 - floors: bytes the step must move (weights read once for the encode and once per Euler step,
   the prefix keys/values read per Euler step) over the measured copy bandwidth; its FLOPs (torch's
-  flop counter over the reference step) over the measured bf16 matrix rate; and its kernel count
+  flop counter over the reference step, at up to 64 slots and scaled) over the measured bf16
+  matrix rate; and its kernel count
   times the measured replay cost of one graph node;
 - where the time goes: the step's kernels by total GPU time (one eager call, kernels on), and
   inside one replay of the kernels graph by marginal time (what each adds to the chain when
@@ -64,6 +65,7 @@ from flashrt.runtime import BufferSet, Graph, atomic_write
 from flashrt_gym.sims.tabletop import TabletopConfig
 
 EXACT = ("lerobot_pi0", "lerobot_pi05")
+COUNT_SLOTS = 64  # the most slots whose FLOPs are counted on the reference path (scaled beyond)
 TOKENIZER = Path(__file__).parents[1] / "tests" / "policies" / "fixtures" / "tokenizer.model"
 
 
@@ -146,8 +148,10 @@ def fp8_rate() -> float:
     return 2 * 8192**3 / us / 1e6
 
 
-def floors(model: FlowPolicy, n: int, step: Callable[[], None], rates: dict) -> dict:
-    """The step's floors (see the module docstring), in ms."""
+def floors(model: FlowPolicy, n: int, p: PolicyPipeline, rates: dict) -> dict:
+    """The step's floors (see the module docstring), in ms, for the pipeline ``p`` of ``n`` slots.
+    FLOPs are counted over at most :data:`COUNT_SLOTS` slots and scaled to ``n`` (every product
+    of the step is per slot): the reference path at pi0's 256 slots holds more than an H100."""
     c = model.cfg
     encode = nbytes(model) - nbytes(model.expert) - sum(nbytes(m) for m in (model.action_in, model.time_in))
     encode -= nbytes(model.text_embed)  # a table the step looks a few rows up in (pi0's: 1 GB)
@@ -159,10 +163,13 @@ def floors(model: FlowPolicy, n: int, step: Callable[[], None], rates: dict) -> 
         fp8_bytes = {p.data_ptr(): p.numel() * (p.element_size() - 1) for p in mats}
         expert = {p.data_ptr() for b in model.expert for p in b.parameters()}
         moved -= sum(v * (c.steps if k in expert else 1) for k, v in fp8_bytes.items())
+    counted = p if n <= COUNT_SLOTS else make_pipeline(model, COUNT_SLOTS)
     with kernels.reference_only(), FlopCounterMode(display=False, custom_mapping=FLOP_FORMULAS) as fc:
-        step()
-    total = fc.get_total_flops()
-    low = fc.get_flop_counts().get("Global", {}).get(torch.ops.aten._scaled_mm, 0)
+        counted.encode_observation()
+        counted.denoise()
+    scale = n / counted.bufs.num_slots
+    total = fc.get_total_flops() * scale
+    low = fc.get_flop_counts().get("Global", {}).get(torch.ops.aten._scaled_mm, 0) * scale
     floor = (total - low) / (rates["bf16_TFLOPs"] * 1e9) + (low / (rates["fp8_TFLOPs"] * 1e9) if low else 0.0)
     return {
         "bytes_MB": moved / 1e6,
@@ -229,7 +236,7 @@ def bench(
         rec[f"{phase}_top_kernels"] = graph_kernels(lambda g=g: g.replay(n), top=20)
         del g
     rec["graph_chunks_per_s"] = n / rec["kernels_graph_ms"] * 1e3
-    rec.update(floors(model, n, step, rates))
+    rec.update(floors(model, n, p, rates))
     rec["floor_ratio"] = rec["kernels_graph_ms"] / rec["flops_floor_ms"]
     rec["launch_floor_ms"] = rec["kernels_nodes"] * rates["node_us"] / 1e3
     if not lean:
