@@ -8,7 +8,8 @@ Backends, one interface:
 ``cuda``   the callable is warmed up on a side stream, then captured into a
            ``torch.cuda.CUDAGraph`` that draws from the graph's memory pool (shared between
            its variants). Replay launches the recorded kernels; Python in the callable does
-           not run again.
+           not run again. torch's cache is emptied between warm-up and capture, so the
+           warm-up's temporaries are not held beside the pool's copy of them.
 ``eager``  replay calls the recorded callable. Same semantics without a GPU: what CI tests,
            and the eager baseline of the benchmarks.
 
@@ -179,6 +180,10 @@ class Graph:
                     guard()
                 fn()
         torch.cuda.current_stream(device).wait_stream(side)
+        # The warm-up's temporaries are free again but stay cached by torch's allocator, and the
+        # capture cannot reuse them (it allocates from the graph's own pool): handed back first,
+        # a step with large temporaries (pi0's encode at many slots) holds them once, not twice.
+        torch.cuda.empty_cache()
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         if guard is None:

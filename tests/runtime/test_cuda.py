@@ -48,6 +48,39 @@ def test_cuda_capture_leaves_the_state_untouched():
     assert toy.same_state(b, before)
 
 
+def test_a_capture_holds_the_steps_temporaries_once(monkeypatch):
+    """The warm-up's temporaries go back to the driver before the capture allocates the graph's
+    pool: a step with a temporary of T bytes grows torch's reserve by about T, not 2 T (torch's
+    cache and the pool each holding one). Mutation: the same capture with the cache kept (the
+    empty call a no-op) grows it by 2 T, outside the bound."""
+    b = toy.make(4, "cuda")
+    big = 256 * 2**20
+    empty = torch.cuda.empty_cache
+
+    def step() -> None:
+        toy.step(b)
+        t = torch.full((big // 4,), 0.5, device="cuda")  # a float32 temporary of ``big`` bytes
+        b["tmp"].add_(t[: b["tmp"].numel()].view_as(b["tmp"]))
+
+    def grown(name: str) -> tuple[Graph, int]:
+        torch.cuda.synchronize()
+        empty()
+        before = torch.cuda.memory_reserved()
+        g = Graph(name).bind(b)
+        g.capture(4, step, warmup=2)
+        return g, torch.cuda.memory_reserved() - before
+
+    with monkeypatch.context() as m:
+        m.setattr(torch.cuda, "empty_cache", lambda: None)
+        kept, kept_bytes = grown("kept")
+    assert kept_bytes >= 2 * big
+    del kept
+    g, held = grown("toy")
+    assert big <= held < 1.5 * big
+    g.replay(4)
+    torch.cuda.synchronize()
+
+
 @pytest.mark.parametrize("guarded", [False, True], ids=["plain", "guarded"])
 def test_the_garbage_collector_is_held_off_inside_a_capture(guarded):
     """A cyclic collection inside a capture would run other objects' CUDA frees there
