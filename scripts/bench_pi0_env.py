@@ -8,10 +8,11 @@ physics, autoresets, render, encode), beside nothing published to compare with.
   written once as a bf16 weights folder and loaded by the env like any other. The tests'
   SentencePiece model stands in for PaliGemma's tokenizer (as in ``bench_policy.py``); the
   embedding keeps PaliGemma's 257 152 rows.
-- Scene: :class:`flashrt_gym.sims.WarpPush` in the step's one graph (``--simulator
-  mujoco_warp_split_fast``: the split step around Warp's own graph, determinism off, as
-  ``bench_mujoco.py``'s row of that name; ``mujoco_cpu``: the same scene on MuJoCo's C library,
-  a thread per core, as an external simulator) with three fixed cameras (``top``, ``opposite``,
+- Scene: :class:`flashrt_gym.sims.WarpPush` split around Warp's own graph, determinism off (the
+  default ``--simulator mujoco_warp_split_fast``, the ``mujoco_warp_push`` task's default and
+  ``bench_mujoco.py``'s row of that name; ``mujoco_warp``: in the step's one graph, deterministic;
+  ``mujoco_cpu``: the same scene on MuJoCo's C library, a thread per core, as an external
+  simulator) with three fixed cameras (``top``, ``opposite``,
   ``centre``) rendered at 224x224, the end-effector as the first 2 of the policy's 32 state
   numbers (the rest zero), the first 2 of its 32 action numbers driving the end-effector.
 - At each ``--sizes`` and ``--precisions``: the first reset and step (the capture included), the
@@ -128,7 +129,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", type=int, nargs="+", default=[1, 16, 64, 256])
     ap.add_argument("--precisions", nargs="+", default=["native", "fp8"], choices=PRECISIONS)
-    ap.add_argument("--simulator", default="mujoco_warp", choices=list(SIMULATORS))
+    ap.add_argument("--simulator", default="mujoco_warp_split_fast", choices=list(SIMULATORS))
     ap.add_argument("--steps", type=int, default=60, help="timed consecutive steps (1.5 episode lengths)")
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument(
