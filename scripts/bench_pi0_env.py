@@ -12,9 +12,9 @@ physics, autoresets, render, encode), beside nothing published to compare with.
   default ``--simulator mujoco_warp_split_fast``, the ``mujoco_warp_push`` task's default and
   ``bench_mujoco.py``'s row of that name; ``mujoco_warp``: in the step's one graph, deterministic;
   ``mujoco_cpu``: the same scene on MuJoCo's C library, a thread per core, as an external
-  simulator) with three fixed cameras (``top``, ``opposite``,
-  ``centre``) rendered at 224x224, the end-effector as the first 2 of the policy's 32 state
-  numbers (the rest zero), the first 2 of its 32 action numbers driving the end-effector.
+  simulator) with three fixed cameras (``top``, ``opposite``, ``centre``) rendered at 224x224,
+  the end-effector as the first 2 of the policy's 32 state numbers (the rest zero), the first 2
+  of its 32 action numbers driving the end-effector.
 - At each ``--sizes`` and ``--precisions``: the first reset and step (the capture included), the
   GPU memory the env holds after it (torch's allocator and Warp's pool), then ``--steps``
   consecutive ``step_torch`` calls with noise actions uniform in the box, so slots autoreset at

@@ -16,8 +16,7 @@ run:
 - floors: bytes the step must move (weights read once for the encode and once per Euler step,
   the prefix keys/values read per Euler step) over the measured copy bandwidth; its FLOPs (torch's
   flop counter over the reference step, at up to 64 slots and scaled) over the measured bf16
-  matrix rate; and its kernel count
-  times the measured replay cost of one graph node;
+  matrix rate; and its kernel count times the measured replay cost of one graph node;
 - where the time goes: the step's kernels by total GPU time (one eager call, kernels on), and
   inside one replay of the kernels graph by marginal time (what each adds to the chain when
   dependent launches overlap); the same for the step's two halves captured apart (encoding the
@@ -148,8 +147,8 @@ def fp8_rate() -> float:
     return 2 * 8192**3 / us / 1e6
 
 
-def floors(model: FlowPolicy, n: int, p: PolicyPipeline, rates: dict) -> dict:
-    """The step's floors (see the module docstring), in ms, for the pipeline ``p`` of ``n`` slots.
+def floors(model: FlowPolicy, n: int, pipeline: PolicyPipeline, rates: dict) -> dict:
+    """The step's floors (see the module docstring), in ms, for ``pipeline`` of ``n`` slots.
     FLOPs are counted over at most :data:`COUNT_SLOTS` slots and scaled to ``n`` (every product
     of the step is per slot): the reference path at pi0's 256 slots holds more than an H100."""
     c = model.cfg
@@ -163,7 +162,7 @@ def floors(model: FlowPolicy, n: int, p: PolicyPipeline, rates: dict) -> dict:
         fp8_bytes = {p.data_ptr(): p.numel() * (p.element_size() - 1) for p in mats}
         expert = {p.data_ptr() for b in model.expert for p in b.parameters()}
         moved -= sum(v * (c.steps if k in expert else 1) for k, v in fp8_bytes.items())
-    counted = p if n <= COUNT_SLOTS else make_pipeline(model, COUNT_SLOTS)
+    counted = pipeline if n <= COUNT_SLOTS else make_pipeline(model, COUNT_SLOTS)
     with kernels.reference_only(), FlopCounterMode(display=False, custom_mapping=FLOP_FORMULAS) as fc:
         counted.encode_observation()
         counted.denoise()

@@ -571,8 +571,9 @@ def test_attention_rotates_queries_and_own_keys_by_rope_tables(device, heads, d,
     """Queries and own keys arrive as unrotated views of the q/k/v projection with the rotation
     tables of their positions. At pi0's head dim 256 the kernel rotates them as it loads them
     (a ROPE launch: as halves at 2 slots, as joined rows at 40, whose programs outnumber the
-    SMs: 160 of 128 rows in bf16), at 64 torch rotates them first; each matches ``qkv_rope``'s rotation followed
-    by the reference attention, also with a sin table strided apart from its cos table.
+    SMs: 160 of 128 rows in bf16), at 64 torch rotates them first; each matches ``qkv_rope``'s
+    rotation followed by the reference attention, also with a sin table strided apart from its
+    cos table.
     Mutations, each the same comparison: tables one position later (visible because the context
     keys keep the positions they were rotated at), and own keys left unrotated."""
     import flashrt.kernels.grouped_attention as ga
