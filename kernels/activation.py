@@ -26,6 +26,7 @@ def gelu_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 if triton is not None:
+    from flashrt.kernels.fp8 import store_row
 
     @triton.jit
     def geglu(gate, up, dtype: tl.constexpr):
@@ -55,10 +56,7 @@ if triton is not None:
         g = tl.load(gate_up + row * 2 * m + cols, mask=inside, other=0.0)
         u = tl.load(gate_up + row * 2 * m + m + cols, mask=inside, other=0.0).to(tl.float32)
         y = geglu(g.to(tl.float32), u, g.dtype).to(g.dtype).to(tl.float32)
-        amax = tl.maximum(tl.max(tl.abs(y), axis=0), 1e-12)  # fp8.MIN_AMAX
-        v = tl.minimum(tl.maximum(y * tl.div_rn(448.0, amax), -448.0), 448.0)  # rounded as torch divides
-        tl.store(q + row * m + cols, v.to(tl.float8e4nv), mask=inside)
-        tl.store(scale + row, tl.div_rn(amax, 448.0))
+        store_row(y, q + row * m, scale + row, cols, inside)
 
     @triton.jit
     def _gelu_fp8_kernel(x, q, scale, m, s_x, BLOCK: tl.constexpr):
@@ -72,10 +70,7 @@ if triton is not None:
         f = v.to(tl.float32)
         z = 0.7978845608028654 * (f + 0.044715 * f * f * f)
         y = (0.5 * f * (2.0 - 2.0 / (tl.exp(2.0 * z) + 1.0))).to(v.dtype).to(tl.float32)
-        amax = tl.maximum(tl.max(tl.abs(y), axis=0), 1e-12)  # fp8.MIN_AMAX
-        w = tl.minimum(tl.maximum(y * tl.div_rn(448.0, amax), -448.0), 448.0)  # rounded as torch divides
-        tl.store(q + row * m + cols, w.to(tl.float8e4nv), mask=inside)
-        tl.store(scale + row, tl.div_rn(amax, 448.0))
+        store_row(y, q + row * m, scale + row, cols, inside)
 
 
 _BLOCK = 1024

@@ -130,15 +130,21 @@ if triton is not None:
     from flashrt.kernels.backend import inputs_ready
 
     @triton.jit
+    def store_row(y, q_row, scale_row, cols, inside):
+        """One row ``y`` (float32, zeros outside ``inside``) quantised as :func:`quantize_rows`
+        does, its e4m3 values to ``q_row + cols`` and its scale to ``scale_row``: the tail of
+        every kernel that quantises whole rows of its own output."""
+        amax = tl.maximum(tl.max(tl.abs(y), axis=0), 1e-12)  # MIN_AMAX
+        v = tl.minimum(tl.maximum(y * tl.div_rn(448.0, amax), -448.0), 448.0)  # rounded as torch divides
+        tl.store(q_row + cols, v.to(tl.float8e4nv), mask=inside)
+        tl.store(scale_row, tl.div_rn(amax, 448.0))
+
+    @triton.jit
     def _quantize_rows_kernel(x, q, scale, K, s_x, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         ks = tl.arange(0, BLOCK)
         v = tl.load(x + row * s_x + ks, mask=ks < K, other=0.0).to(tl.float32)
-        amax = tl.maximum(tl.max(tl.abs(v), axis=0), 1e-12)  # MIN_AMAX
-        inv = tl.div_rn(448.0, amax)  # rounded as torch divides
-        y = tl.minimum(tl.maximum(v * inv, -448.0), 448.0)
-        tl.store(q + row * K + ks, y.to(tl.float8e4nv), mask=ks < K)
-        tl.store(scale + row, tl.div_rn(amax, 448.0))
+        store_row(v, q + row * K, scale + row, ks, ks < K)
 
     @triton.jit
     def _few_rows_kernel(
