@@ -360,6 +360,9 @@ def test_norm_linear_names_the_mismatched_weight():
     ],
 )
 def test_attention_over_context_segments_and_own_keys(device, heads, kv_heads, tq, tk, context, d, n, monkeypatch):
+    """The kernel over context segments read in place (per-token masks, per-slot flags, none) and
+    the own keys equals the float32 reference over their concatenation, at every launch shape;
+    mutation: against the reference without the context it fails."""
     if device == "cpu" and d == 256 and n > 1:
         pytest.skip("pi0's taller programs are bf16 launch shapes; the interpreter's float32 takes one slot's tiles")
     if device == "cpu" and n >= 40:
@@ -391,6 +394,9 @@ def test_attention_over_context_segments_and_own_keys(device, heads, kv_heads, t
                 f = lambda x: None if x is None else x.float()  # noqa: E731 - reference in float32
                 want = attention_reference(f(q), f(k), f(v), mask, [(f(a), f(b), m) for a, b, m in ctx])
                 close(got, want, dtype)
+                if ctx:  # mutation: the same comparison with the context dropped fails
+                    with pytest.raises(AssertionError):
+                        close(got, attention_reference(f(q), f(k), f(v), mask), dtype)
 
 
 @pytest.mark.parametrize("device", DEVICES)
