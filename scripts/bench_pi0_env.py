@@ -127,7 +127,7 @@ def train_rate(weights: Path, simulator: str, n: int, precision: str, seconds: i
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--sizes", type=int, nargs="+", default=[1, 16, 64, 256])
+    ap.add_argument("--sizes", type=int, nargs="*", default=[1, 16, 64, 256], help="env rows (none: train only)")
     ap.add_argument("--precisions", nargs="+", default=["native", "fp8"], choices=PRECISIONS)
     ap.add_argument("--simulator", default="mujoco_warp_split_fast", choices=list(SIMULATORS))
     ap.add_argument("--steps", type=int, default=60, help="timed consecutive steps (1.5 episode lengths)")
