@@ -26,7 +26,7 @@ def gelu_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 if triton is not None:
-    from flashrt.kernels.fp8 import store_row
+    from flashrt.kernels.fp8 import store_row, store_values
 
     @triton.jit
     def geglu(gate, up, dtype: tl.constexpr):
@@ -59,18 +59,32 @@ if triton is not None:
         store_row(y, q + row * m, scale + row, cols, inside)
 
     @triton.jit
-    def _gelu_fp8_kernel(x, q, scale, m, s_x, BLOCK: tl.constexpr):
-        # kernels.fp8.quantize_rows of gelu_tanh(x) rounded to x's dtype, the whole row in one
-        # program; the GELU in float32 as geglu takes it (tanh through exp), within a float32
-        # ulp or two of torch's
-        row = tl.program_id(0).to(tl.int64)
-        cols = tl.arange(0, BLOCK)
-        inside = cols < m
-        v = tl.load(x + row * s_x + cols, mask=inside, other=0.0)
+    def gelu_rounded(v):
+        """``gelu_tanh(v)`` in float32 as :func:`geglu` takes it (tanh through exp, within a
+        float32 ulp or two of torch's), rounded to ``v``'s dtype and back."""
         f = v.to(tl.float32)
         z = 0.7978845608028654 * (f + 0.044715 * f * f * f)
-        y = (0.5 * f * (2.0 - 2.0 / (tl.exp(2.0 * z) + 1.0))).to(v.dtype).to(tl.float32)
-        store_row(y, q + row * m, scale + row, cols, inside)
+        return (0.5 * f * (2.0 - 2.0 / (tl.exp(2.0 * z) + 1.0))).to(v.dtype).to(tl.float32)
+
+    @triton.jit
+    def _gelu_fp8_kernel(x, q, scale, m, s_x, HEAD: tl.constexpr, TAIL: tl.constexpr):
+        # kernels.fp8.quantize_rows of gelu_tanh(x) rounded to x's dtype, the whole row in one
+        # program as a block of the largest power of two <= m and a masked block of the rest:
+        # SigLIP's 4 304-wide rows take 4 096 + 256 lanes, where one 8 192-lane block left
+        # half of its lanes computing masked values
+        row = tl.program_id(0).to(tl.int64)
+        head = tl.arange(0, HEAD)
+        y = gelu_rounded(tl.load(x + row * s_x + head))
+        amax = tl.max(tl.abs(y), axis=0)
+        if TAIL > 0:
+            tail = HEAD + tl.arange(0, TAIL)
+            t = gelu_rounded(tl.load(x + row * s_x + tail, mask=tail < m, other=0.0))
+            amax = tl.maximum(amax, tl.max(tl.abs(t), axis=0))
+        amax = tl.maximum(amax, 1e-12)  # MIN_AMAX
+        store_values(y, amax, q + row * m, head, head < m)
+        if TAIL > 0:
+            store_values(t, amax, q + row * m, tail, tail < m)
+        tl.store(scale + row, tl.div_rn(amax, 448.0))
 
 
 _BLOCK = 1024
@@ -125,9 +139,10 @@ def gelu_fp8_triton(x: torch.Tensor) -> Rows:
     q = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
     scale = torch.empty((*x.shape[:-1], 1), dtype=torch.float32, device=x.device)
     if x2.shape[0] and m:
-        block = triton.next_power_of_2(m)
-        _gelu_fp8_kernel[(x2.shape[0],)](x2, q, scale, m, x2.stride(0), BLOCK=block,
-                                         num_warps=min(16, max(1, block // 256)))  # fmt: skip
+        head = 1 << (m.bit_length() - 1)
+        tail = triton.next_power_of_2(m - head) if m > head else 0
+        _gelu_fp8_kernel[(x2.shape[0],)](x2, q, scale, m, x2.stride(0), HEAD=head, TAIL=tail,
+                                         num_warps=min(16, max(1, (head + tail) // 256)))  # fmt: skip
     return q, scale
 
 

@@ -130,13 +130,20 @@ if triton is not None:
     from flashrt.kernels.backend import inputs_ready
 
     @triton.jit
+    def store_values(y, amax, q_row, cols, inside):
+        """Values ``y`` (float32) of a row whose largest magnitude is ``amax`` (at least
+        ``MIN_AMAX``), as e4m3 to ``q_row + cols`` where ``inside``: :func:`quantize_rows`'s
+        values, for a kernel that holds its row in more than one block."""
+        v = tl.minimum(tl.maximum(y * tl.div_rn(448.0, amax), -448.0), 448.0)  # rounded as torch divides
+        tl.store(q_row + cols, v.to(tl.float8e4nv), mask=inside)
+
+    @triton.jit
     def store_row(y, q_row, scale_row, cols, inside):
         """One row ``y`` (float32, zeros outside ``inside``) quantised as :func:`quantize_rows`
         does, its e4m3 values to ``q_row + cols`` and its scale to ``scale_row``: the tail of
         every kernel that quantises whole rows of its own output."""
         amax = tl.maximum(tl.max(tl.abs(y), axis=0), 1e-12)  # MIN_AMAX
-        v = tl.minimum(tl.maximum(y * tl.div_rn(448.0, amax), -448.0), 448.0)  # rounded as torch divides
-        tl.store(q_row + cols, v.to(tl.float8e4nv), mask=inside)
+        store_values(y, amax, q_row, cols, inside)
         tl.store(scale_row, tl.div_rn(amax, 448.0))
 
     @triton.jit

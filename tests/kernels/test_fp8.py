@@ -294,14 +294,14 @@ rounding to bf16 can carry into a row's largest value."""
 def test_gelu_quantises_torch_gelu_in_one_kernel(device, monkeypatch):
     """``gelu(x, fp8=True)`` is :func:`fp8.quantize_rows` of ``F.gelu(x, approximate="tanh")``
     in one kernel: scales within :data:`GELU_SCALE_RTOL`, values within one e4m3 step, at
-    SigLIP's 4 304-wide rows and at a strided view. Mutation: rows compared with their
-    neighbours' GELUs fail."""
+    SigLIP's 4 304-wide rows (a 4 096-lane head and a tail), at a power of two and at a
+    strided view. Mutation: rows compared with their neighbours' GELUs fail."""
     if device == "cpu":
         monkeypatch.setattr(ka, "use_triton", lambda *tensors: True)
     launches = spy_launches(monkeypatch, ka, "_gelu_fp8_kernel")
     g = torch.Generator(device=device).manual_seed(10)
     for dtype in dtypes(device):
-        for shape in ((3, 5, 4304), (7, 600)):
+        for shape in ((3, 5, 4304), (7, 600), (2, 1024)):  # a head and a tail; a head alone
             x = (3 * torch.randn(*shape, device=device, generator=g)).to(dtype)
             want = torch.nn.functional.gelu(x, approximate="tanh")
             before = len(launches)
