@@ -67,23 +67,23 @@ if triton is not None:
         return (0.5 * f * (2.0 - 2.0 / (tl.exp(2.0 * z) + 1.0))).to(v.dtype).to(tl.float32)
 
     @triton.jit
-    def _gelu_fp8_kernel(x, q, scale, m, s_x, HEAD: tl.constexpr, TAIL: tl.constexpr):
-        # kernels.fp8.quantize_rows of gelu_tanh(x) rounded to x's dtype, the whole row in one
-        # program as a block of the largest power of two <= m and a masked block of the rest:
-        # SigLIP's 4 304-wide rows take 4 096 + 256 lanes, where one 8 192-lane block left
-        # half of its lanes computing masked values
+    def _gelu_fp8_kernel(x, q, scale, m, width, s_x, HEAD: tl.constexpr, TAIL: tl.constexpr):
+        # kernels.fp8.quantize_rows of gelu_tanh(x) rounded to x's dtype and zero-padded from m
+        # to width columns, the whole row in one program as a block of the largest power of
+        # two <= m and a block of the rest: SigLIP's 4 304-wide rows padded to 4 352 take
+        # 4 096 + 256 lanes, where one 8 192-lane block left half of its lanes masked
         row = tl.program_id(0).to(tl.int64)
         head = tl.arange(0, HEAD)
         y = gelu_rounded(tl.load(x + row * s_x + head))
         amax = tl.max(tl.abs(y), axis=0)
         if TAIL > 0:
             tail = HEAD + tl.arange(0, TAIL)
-            t = gelu_rounded(tl.load(x + row * s_x + tail, mask=tail < m, other=0.0))
+            t = gelu_rounded(tl.load(x + row * s_x + tail, mask=tail < m, other=0.0))  # gelu(0) = 0
             amax = tl.maximum(amax, tl.max(tl.abs(t), axis=0))
         amax = tl.maximum(amax, 1e-12)  # MIN_AMAX
-        store_values(y, amax, q + row * m, head, head < m)
+        store_values(y, amax, q + row * width, head, head < width)
         if TAIL > 0:
-            store_values(t, amax, q + row * m, tail, tail < m)
+            store_values(t, amax, q + row * width, tail, tail < width)
         tl.store(scale + row, tl.div_rn(amax, 448.0))
 
 
@@ -130,34 +130,48 @@ def gelu_mul(gate_up: torch.Tensor, *, fp8: bool = False) -> torch.Tensor | Rows
     return quantize_rows(gelu_mul_triton(gate_up))
 
 
-def gelu_fp8_triton(x: torch.Tensor) -> Rows:
-    """The Triton kernel of ``gelu(x, fp8=True)`` (a program a row; rows at any stride)."""
+def gelu_fp8_triton(x: torch.Tensor, width: int) -> Rows:
+    """The Triton kernel of ``gelu(x, fp8=True, width=width)`` (a program a row; rows at any
+    stride)."""
     m = x.shape[-1]
     x2 = x.reshape(-1, m)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    q = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
+    q = torch.empty((*x.shape[:-1], width), dtype=torch.float8_e4m3fn, device=x.device)
     scale = torch.empty((*x.shape[:-1], 1), dtype=torch.float32, device=x.device)
     if x2.shape[0] and m:
         head = 1 << (m.bit_length() - 1)
-        tail = triton.next_power_of_2(m - head) if m > head else 0
-        _gelu_fp8_kernel[(x2.shape[0],)](x2, q, scale, m, x2.stride(0), HEAD=head, TAIL=tail,
+        tail = triton.next_power_of_2(width - head) if width > head else 0
+        _gelu_fp8_kernel[(x2.shape[0],)](x2, q, scale, m, width, x2.stride(0), HEAD=head, TAIL=tail,
                                          num_warps=min(16, max(1, (head + tail) // 256)))  # fmt: skip
     return q, scale
 
 
-def gelu(x: torch.Tensor, *, fp8: bool = False) -> torch.Tensor | Rows:
+def gelu(x: torch.Tensor, *, fp8: bool = False, width: int | None = None) -> torch.Tensor | Rows:
     """``gelu_tanh(x)`` (torch's ``F.gelu(x, approximate="tanh")``); with ``fp8``, that output
     quantised per row (:func:`flashrt.kernels.fp8.quantize_rows`'s ``(q, scale)``), on CUDA in
     one kernel that takes the GELU and the quantisation together (rows up to
     :data:`flashrt.kernels.fp8.MAX_ROW` long).
 
+    Args:
+        x: floating-point activations ``(..., m)``.
+        fp8: return the output quantised per row.
+        width: the output's last dimension, zeros past ``m`` (default ``m``): the ``k`` of the
+            projection after it when that projection's weight is zero-padded
+            (:func:`flashrt.kernels.fp8.pad_k`). The zeros change no row's scale.
+
     Raises:
-        ValueError: ``x`` is not floating point.
+        ValueError: ``x`` is not floating point, or ``width`` is below ``m``.
     """
     if not x.is_floating_point():
         raise ValueError(f"gelu: x must be floating-point activations, got {x.dtype}")
-    if fp8 and use_triton(x) and 0 < x.shape[-1] <= MAX_ROW:
-        return gelu_fp8_triton(x)
+    m = x.shape[-1]
+    width = m if width is None else width
+    if width < m:
+        raise ValueError(f"gelu: width {width} is below the input's {m} columns; pass at least {m}")
+    if fp8 and use_triton(x) and 0 < m and width <= MAX_ROW:
+        return gelu_fp8_triton(x, width)
     out = F.gelu(x, approximate="tanh")
+    if width > m:
+        out = F.pad(out, (0, width - m))
     return quantize_rows(out) if fp8 else out

@@ -441,9 +441,12 @@ class VisionBlock(nn.Module):
 
     def quantize_fp8(self, on: bool = True) -> None:
         """Run the four projections (q/k/v, o, fc1, fc2) as FP8 GEMMs (``on``), or in the weights'
-        dtype again. The parameters stay as they are; the e4m3 copies are derived."""
+        dtype again. The parameters stay as they are; the e4m3 copies are derived, fc2's with
+        ``k`` zero-padded to a multiple of :data:`flashrt.kernels.fp8.K_STEP` (the GELU before it
+        writes the input's zeros)."""
         mods = {"qkv": self.qkv, "o": self.o, "fc1": self.fc1, "fc2": self.fc2}
         named = {name: (lambda m=m: m.weight) for name, m in mods.items()}
+        named["fc2"] = lambda: fp8.pad_k(self.fc2.weight)  # k padded: the GELU writes the zeros
         self.fp8 = Fp8Weights(named, *(m.weight for m in mods.values())) if on else None
 
     def forward(self, x: torch.Tensor, delta: Biased, patches: int) -> tuple[torch.Tensor, Biased]:
@@ -469,7 +472,7 @@ class VisionBlock(nn.Module):
         x, h = layer_norm(self.norm1, x, delta, fp8=True)
         attn = self._attention(fp8.linear_rows(h, q8["qkv"], self.qkv.bias, dtype=x.dtype), n, t, w, patches)
         x, h = layer_norm(self.norm2, x, Biased(fp8.linear(attn, q8["o"]), self.o.bias), fp8=True)
-        f = gelu(fp8.linear_rows(h, q8["fc1"], self.fc1.bias, dtype=x.dtype), fp8=True)
+        f = gelu(fp8.linear_rows(h, q8["fc1"], self.fc1.bias, dtype=x.dtype), fp8=True, width=q8["fc2"].data.shape[1])
         return x, Biased(fp8.linear_rows(f, q8["fc2"], dtype=x.dtype), self.fc2.bias)
 
     def _attention(self, qkv: torch.Tensor, n: int, t: int, w: int, patches: int) -> torch.Tensor:

@@ -313,8 +313,31 @@ def test_gelu_quantises_torch_gelu_in_one_kernel(device, monkeypatch):
             strided = torch.cat([x, x], -1)[..., : shape[-1]]
             same_rows(ka.gelu(strided, fp8=True), f8.quantize_rows_reference(want), False, GELU_SCALE_RTOL)
             assert torch.equal(ka.gelu(x), want)
+            width = f8.pad_k(torch.empty(1, shape[-1])).shape[-1]  # 4 352, 640, 1 024
+            padded = torch.nn.functional.pad(want, (0, width - shape[-1]))
+            q, _ = rows = ka.gelu(x, fp8=True, width=width)
+            assert q.shape[-1] == width and not q[..., shape[-1] :].float().any()
+            same_rows(rows, f8.quantize_rows_reference(padded), False, GELU_SCALE_RTOL)
+            assert torch.equal(ka.gelu(x, width=width), padded)
     with pytest.raises(ValueError, match="floating-point"):
         ka.gelu(torch.ones(2, 16, dtype=torch.int64, device=device), fp8=True)
+    with pytest.raises(ValueError, match="width 8 is below"):
+        ka.gelu(torch.ones(2, 16, device=device), fp8=True, width=8)
+
+
+def test_a_weight_padded_in_k_gives_the_same_product():
+    """:func:`fp8.pad_k` pads ``k`` with zero columns to a multiple of :data:`fp8.K_STEP` (and
+    leaves a multiple as it is): the same scales, and the same product for an input padded
+    alike. Mutation: the input padded on the wrong side (its columns shifted) gives another."""
+    w = rows(64, 4304)
+    padded = f8.pad_k(w)
+    assert padded.shape == (64, 4352) and f8.pad_k(padded).shape == (64, 4352)
+    a, b = f8.quantize_weight(w), f8.quantize_weight(padded)
+    assert torch.equal(a.scale, b.scale) and torch.equal(a.data.float(), b.data[:, :4304].float())
+    x = torch.randn(5, 4304, generator=torch.Generator().manual_seed(3))
+    want = f8.linear_emulated(x, a)
+    assert torch.equal(f8.linear_emulated(torch.nn.functional.pad(x, (0, 48)), b), want)
+    assert not torch.allclose(f8.linear_emulated(torch.nn.functional.pad(x, (48, 0)), b), want, rtol=0.1)
 
 
 def test_linear_rows_is_linear_of_the_rows_activations():
