@@ -21,10 +21,11 @@ import torch
 from flashrt.kernels.backend import tl, triton, use_triton
 from flashrt.kernels.fp8 import E4M3, Fp8Weight, Rows, supported
 
-TILE = {"BM": 128, "BN": 128, "BK": 128, "GROUP_M": 8, "num_warps": 8, "num_stages": 4}
+TILE = {"BM": 128, "BN": 128, "BK": 128, "GROUP_M": 8, "num_warps": 8, "num_stages": 3}
 """The launch: a program a 128-row by 128-channel block of the output (a 128 x 256 product:
-the gate and the up tiles), ``k`` in 128-value steps over 4 pipelined stages, programs ordered
-in groups of 8 row blocks so the weight tiles they share stay in L2."""
+the gate and the up tiles), ``k`` in 128-value steps over 3 pipelined stages (48 KB of shared
+memory each, beside the output tile's 32 KB), programs ordered in groups of 8 row blocks so the
+weight tiles they share stay in L2."""
 
 MIN_ROWS = 8192
 """Fewest rows :func:`takes` gives the fused kernel: where the ``(rows, 2m)`` product's trip

@@ -13,7 +13,7 @@ at each ``--tiles`` (``BMxBNxBKxWARPSxSTAGES``: the kernel's launch, :data:`fp8_
 the fastest of 5 replays of a captured graph of 20 calls (``bench_fp8_gemm.graph_us``), and the
 fused output's relative (Frobenius) error against the unfused one's.
 
-    python scripts/bench_fp8_geglu.py --batches 8 64 --tiles 128x128x128x8x4 128x64x128x4x4
+    python scripts/bench_fp8_geglu.py --batches 8 64 --tiles 128x128x128x8x3 128x128x128x8x4 128x64x128x4x4
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ def measure(batch: int, tiles: list[str]) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batches", type=int, nargs="+", default=[8, 64])
-    ap.add_argument("--tiles", nargs="+", default=["x".join(str(v) for v in (128, 128, 128, 8, 4))])
+    ap.add_argument("--tiles", nargs="+", default=["128x128x128x8x3"])
     ap.add_argument("--out", type=Path, default=Path("bench_fp8_geglu.json"))
     args = ap.parse_args()
     if not fp8.supported("cuda"):
