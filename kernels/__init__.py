@@ -19,7 +19,6 @@ module                           kernels
 ``kernels.slot_copy``            masked row copy / gather (restore, autoreset) and row scatter (fork)
 ``kernels.expert_layer``         the expert's decoder layer at up to 8 slots (CUDA C++, a cluster of 8 CTAs a slot)
 ``kernels.fp8``                  e4m3 weights per channel, activations per token; _scaled_mm, few-row kernel
-``kernels.fp8_geglu``            FP8 gate/up projection with the GeGLU in its epilogue (many rows)
 ===============================  ========================================================================
 """
 

@@ -22,7 +22,6 @@ from flashrt.kernels import (
     add_rms_norm,
     attention,
     fp8,
-    fp8_geglu,
     gated_add,
     gelu,
     gelu_mul,
@@ -379,10 +378,7 @@ class DecoderLayer(nn.Module):
             x, y = add_ada_rms_norm(x, o, m1.select(-2, 2), m2, self.norm2.eps, fp8=True)
         else:
             x, y = add_rms_norm(x, o, self.norm2.scale(), self.norm2.eps, fp8=True)
-        if fp8_geglu.takes(y, w["gate_up"], x.dtype):  # many rows: the GeGLU in the GEMM's epilogue
-            h = fp8.quantize_rows(fp8_geglu.gate_up_geglu(y, w["gate_up"]))
-        else:
-            h = gelu_mul(fp8.linear_rows(y, w["gate_up"], dtype=x.dtype), fp8=True)
+        h = gelu_mul(fp8.linear_rows(y, w["gate_up"], dtype=x.dtype), fp8=True)
         down = Deferred(fp8.linear_rows(h, w["down"], dtype=x.dtype), m2.select(-2, 2) if self.adaptive else None)
         return (x, down, k, v) if defer else (settle(x, down), None, k, v)
 
