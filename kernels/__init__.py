@@ -1,4 +1,4 @@
-"""Fused GPU kernels (Triton; a few in CUDA C++), each in a small module beside the torch reference it must match.
+"""Fused GPU kernels (Triton; one in CUDA C++), each in a small module beside the torch reference it must match.
 
 Every public function takes its Triton kernel on CUDA (when Triton is installed and no autograd
 graph runs through it) and its torch reference everywhere else, so one call site runs on the
@@ -19,7 +19,6 @@ module                           kernels
 ``kernels.slot_copy``            masked row copy / gather (restore, autoreset) and row scatter (fork)
 ``kernels.expert_layer``         the expert's decoder layer at up to 8 slots (CUDA C++, a cluster of 8 CTAs a slot)
 ``kernels.fp8``                  e4m3 weights per channel, activations per token; _scaled_mm, few-row kernel
-``kernels.fp8_cutlass``          FP8 GEMMs with the residual add, GELU or GeGLU in the epilogue (CUDA C++, CUTLASS)
 ===============================  ========================================================================
 """
 

@@ -22,7 +22,6 @@ from flashrt.kernels import (
     add_rms_norm,
     attention,
     fp8,
-    fp8_cutlass,
     gated_add,
     gelu,
     gelu_mul,
@@ -361,10 +360,7 @@ class DecoderLayer(nn.Module):
         (:func:`flashrt.kernels.fp8.linear`): each norm and the GeGLU quantise their output per
         row in their own kernel (``fp8=True``) for the projection after them; rotary, attention
         and the residual adds are the bf16 path's kernels; the down projection is deferred as a
-        tensor. A layer without adaptive gates over many rows (pi0's block B from a few slots on:
-        :func:`flashrt.kernels.fp8_cutlass.fits`) instead adds the output and down projections to
-        the residual in their GEMMs' epilogues and runs its GeGLU as two GEMMs
-        (:func:`flashrt.kernels.fp8_cutlass.geglu`); nothing is deferred."""
+        tensor."""
         w = self.fp8.get()
         delta = None if pending is None else pending.delta
         if self.adaptive:
@@ -377,10 +373,6 @@ class DecoderLayer(nn.Module):
             x, y = add_rms_norm(x, delta, self.norm1.scale(), self.norm1.eps, fp8=True)
         qkv = fp8.linear_rows(y, w["qkv"], dtype=x.dtype)
         a, k, v = self._attend(qkv, pos0, inv_freq, context, own_mask, kv_out, rope)
-        if not self.adaptive and fp8_cutlass.fits(y, x.dtype):  # residual adds and GeGLU in the GEMMs
-            x = fp8_cutlass.gemm(fp8.quantize_rows(a), w["o"], "add", c=x)
-            x, y = add_rms_norm(x, None, self.norm2.scale(), self.norm2.eps, fp8=True)
-            return fp8_cutlass.gemm(fp8_cutlass.geglu(y, w["gate_up"]), w["down"], "add", c=x), None, k, v
         o = fp8.linear(a, w["o"])
         if self.adaptive:
             x, y = add_ada_rms_norm(x, o, m1.select(-2, 2), m2, self.norm2.eps, fp8=True)

@@ -46,7 +46,7 @@ from dataclasses import dataclass
 import torch
 
 from flashrt import kernels, runtime
-from flashrt.kernels import expert_layer, fp8, fp8_cutlass
+from flashrt.kernels import expert_layer, fp8
 from flashrt.kernels.rng import draw_normal_
 from flashrt.policies import attention_long
 from flashrt.policies.layers import Prefix
@@ -120,8 +120,6 @@ def deployment_digest(model: FlowPolicy, weights_id: str) -> str:
     impl = kernels.implementation(device)
     if model.precision == "fp8" and not (fp8.supported(device) and model.dtype == torch.bfloat16):
         impl += "+fp8-emulated"
-    elif model.precision == "fp8" and fp8_cutlass.available(device):  # fused epilogues: other roundings
-        impl += f"+fp8_cutlass-{fp8_cutlass.VERSION}"
     if impl == "triton" and expert_layer.runs_for(*model.expert[0].fused_weights()):  # sums in another order
         impl += "+expert_layer"
     if impl.startswith("triton"):  # long prefix blocks (pi0's) take the flash kernel

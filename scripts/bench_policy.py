@@ -30,11 +30,8 @@ encoded with every observation (pi0.5: the prompt with the state assembled first
 ``--precision native fp8`` measures every run in both precisions (``FlowPolicy.set_precision``:
 FP8 runs the blocks' projections as e4m3 GEMMs); an FP8 row's FLOP floor charges its FP8 GEMMs
 at the measured FP8 matrix rate and the rest at the bf16 rate (``fp8_GFLOP``), and
-``floor_ratio`` is the graph's time over that floor. FP8 layers over at least
-``fp8_cutlass.MIN_ROWS`` rows take the CUTLASS GEMMs with fused epilogues where they run
-(``--cutlass-min-rows`` repeats each FP8 run at other thresholds: a huge one keeps
-``torch._scaled_mm`` everywhere). ``--runs preset:batch`` adds single runs (pi0.5 at one batch
-size), ``--lean`` keeps only what a throughput table needs (the kernels graph
+``floor_ratio`` is the graph's time over that floor. ``--runs preset:batch`` adds single runs
+(pi0.5 at one batch size), ``--lean`` keeps only what a throughput table needs (the kernels graph
 with its capture time, floors, compile where asked).
 
     python scripts/bench_policy.py --out bench_policy.json
@@ -60,7 +57,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from tqdm import tqdm
 
 from flashrt import kernels
-from flashrt.kernels import fp8, fp8_cutlass
+from flashrt.kernels import fp8
 from flashrt.policies import PRESETS, FlowPolicy, InstructionTable, PaliGemmaTokenizer, PolicyPipeline, policy_specs
 from flashrt.policies.model import PRECISIONS
 from flashrt.runtime import BufferSet, Graph, atomic_write
@@ -269,13 +266,6 @@ def main() -> None:
     ap.add_argument("--precision", nargs="+", default=["native"], choices=PRECISIONS, help="each run in each")
     ap.add_argument("--lean", action="store_true", help="the kernels graph, floors and compile only")
     ap.add_argument("--reps", type=int, default=50)
-    ap.add_argument(
-        "--cutlass-min-rows",
-        type=int,
-        nargs="+",
-        default=None,
-        help="each FP8 run at each of these fp8_cutlass.MIN_ROWS (the fused-epilogue GEMMs' row threshold)",
-    )
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_policy.py measures GPU latency: run it on a machine with a CUDA GPU")
@@ -299,24 +289,15 @@ def main() -> None:
         out = {**result, "rows": rows + ([partial] if partial is not None else [])}
         atomic_write(args.out, lambda f: f.write(json.dumps(out, indent=2).encode()))
 
-    thresholds = args.cutlass_min_rows or [fp8_cutlass.MIN_ROWS]
-    todo = [(run, p, t) for run in runs for p in args.precision for t in (thresholds if p == "fp8" else [None])]
-    for (preset, n), precision, threshold in tqdm(todo, desc="policy batches", unit="run"):
+    for (preset, n), precision in tqdm(
+        [(run, prec) for run in runs for prec in args.precision], desc="policy batches", unit="run"
+    ):
         reps = args.reps if preset == "tiny" else max(5, args.reps // 5)  # pi0-sized steps take ms
         compile_it = f"{preset}:{n}" in args.compile
-        if threshold is not None:
-            fp8_cutlass.MIN_ROWS = threshold
         rows.append(bench(preset, n, reps, compile_it, rates, save, precision, args.lean))
-        if threshold is not None:
-            rows[-1]["cutlass_min_rows"] = threshold if fp8_cutlass.available("cuda") else None
         torch.cuda.empty_cache()
         print(json.dumps(rows[-1]), flush=True)
         save()
-
-    def precision(r: dict) -> str:
-        """The row's precision, with the CUTLASS threshold of an FP8 row where the GEMMs ran."""
-        return r["precision"] + (f" rows>={r['cutlass_min_rows']}" if r.get("cutlass_min_rows") is not None else "")
-
     print(f"\n{result['gpu']} | torch {result['torch']} | commit {result['commit']} | bf16 | median ms per step")
     print(
         f"rates: copy {rates['copy_GBps']:.0f} GB/s, bf16 {rates['bf16_TFLOPs']:.0f} TFLOP/s, "
@@ -331,7 +312,7 @@ def main() -> None:
         eager = f"{r['eager_ms']:6.1f}" if "eager_ms" in r else "     -"
         ref = f"{r['reference_graph_ms']:7.3f} ({r['reference_nodes']:5d})" if "reference_graph_ms" in r else "  -"
         print(
-            f"{r['preset']:>12} | {r['batch']:5d} | {precision(r):>6} | {eager} | {ref} | "
+            f"{r['preset']:>12} | {r['batch']:5d} | {r['precision']:>6} | {eager} | {ref} | "
             f"{r['kernels_graph_ms']:7.3f} ({r['kernels_nodes']:5d}) | {comp} | {r['kernels_capture_s']:5.2f} | "
             f"{r['bytes_floor_ms']:.3f}/{r['flops_floor_ms']:.3f}/{r['launch_floor_ms']:.3f} | "
             f"{r['floor_ratio']:5.2f} | {r['graph_chunks_per_s']:9.0f}"
